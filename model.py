@@ -1,0 +1,371 @@
+"""A Llama-3.x / Qwen2 decoder, Hugging Face checkpoint I/O, the KV cache and a char-level tokenizer.
+
+    model = load_model("Qwen2.5-0.5B")    # any HF dir of model_type llama or qwen2 (safetensors only)
+    logits = model(tokens)                 # (B, T, vocab) fp32: the one forward entry point
+    logp, entropy = model(tokens, targets=next_tokens)   # (B, T) each, without (B, T, vocab) logits in memory
+    save_model(model, "out/", tokenizer)   # an HF directory again
+
+The sampler that drives the KV cache lives in sampler.py.
+
+Module and parameter names are Hugging Face's, so a checkpoint loads by stripping "model." and a strict
+load_state_dict, and save_model writes a directory that transformers.AutoModelForCausalLM loads unchanged.
+Simplifications: no sliding-window attention, no rope scaling other than llama3, no o_proj/MLP biases (the
+Llama `attention_bias`/`mlp_bias` options): such configs are rejected with an error, never silently approximated.
+"""
+
+import json
+import math
+import string
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+LOGITS_CHUNK = 2**22  # targets mode: at most this many fp32 logits exist at once (16 MB)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Field names are Hugging Face's config.json names."""
+
+    model_type: str = "llama"  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias: always on for qwen2, unsupported for llama
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type {self.model_type!r} is not supported; use a llama or qwen2 checkpoint")
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.attention_bias = self.model_type == "qwen2" or self.attention_bias
+        if self.model_type == "llama" and self.attention_bias:
+            raise ValueError("llama with attention_bias=true (q/k/v/o biases) is not supported")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+            raise ValueError(f"rope_scaling {self.rope_scaling} is not supported (only rope_type llama3)")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Reads hub configs (top-level rope_theta/rope_scaling) and transformers-5 ones (rope_parameters)."""
+        if d.get("model_type") not in ("llama", "qwen2"):
+            raise ValueError(f"model_type {d.get('model_type')!r} is not supported; use a llama or qwen2 checkpoint")
+        unsupported = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
+        for key, ok in unsupported.items():
+            if d.get(key, ok) != ok:
+                raise ValueError(f"{key}={d[key]!r} is not supported (only {ok!r})")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")  # old spelling: "type"
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names - {"rope_theta", "rope_scaling"}}
+        kw.setdefault("num_key_value_heads", d.get("num_attention_heads"))  # older configs: no GQA, no key
+        return cls(**kw, rope_theta=theta, rope_scaling=None if rope["rope_type"] == "default" else rope)
+
+    def to_hf(self) -> dict:
+        """config.json in the top-level layout, which transformers 4.x and 5 both read."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["architectures"] = ["LlamaForCausalLM" if self.model_type == "llama" else "Qwen2ForCausalLM"]
+        d["hidden_act"] = "silu"
+        if self.model_type == "qwen2":
+            del d["attention_bias"]  # implied by the architecture
+        return d
+
+
+PRESETS = {
+    # the built-in demo: small enough that GRPO samples 128 rows x 80 tokens per step on 2 CPU cores
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, tie_word_embeddings=True),
+}
+
+
+def preset_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], "vocab_size": vocab_size, **overrides})
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """(head_dim // 2,) fp32 RoPE frequencies, with Llama 3.1's long-context rescaling when configured."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").float() / cfg.head_dim)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = cfg.rope_scaling
+    old_len, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(mid, (1 - smooth) * scaled / s["factor"] + smooth * scaled, scaled)
+
+
+def apply_rope(x, cos, sin):  # x (B, T, H, D); cos (B, T, 1, D); sin (B, T, 1, D) with its first half negated
+    # HF's rotate-half, x * cos + cat(-x2, x1) * sin, in three ops: roll gives cat(x2, x1)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale: HF's order of operations
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values, written by slot. k, v: (layers, batch, max_len, kv_heads, head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # slots filled; a forward writes the next T slots, then advances it
+
+    def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, length + T, kv_heads, D)
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, H, D)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, S, Hkv, D), S = slots filled so far
+        # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
+        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask), 30% faster on CPU
+            y = F.scaled_dot_product_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=True).transpose(1, 2)  # (B, T, H, D)
+        return self.o_proj(y.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def token_logp(hidden, targets, lm_head, temperature):
+    """hidden (B, t, C), targets (B, t) -> log p(target) (B, t) with grad, entropy (B, t) without."""
+    logits = lm_head(hidden).float() / temperature  # (B, t, V): one chunk's worth only
+    logz = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    with torch.no_grad():
+        entropy = logz - (logits.softmax(-1) * logits).sum(-1)
+    return logp, entropy
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for name, p in self.named_parameters():  # HF's init: N(0, 0.02) matrices, zero biases, unit norms
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        self.inv_freq = rope_inv_freq(cfg)
+
+    def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
+                last_only=False):
+        """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
+        number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
+        positions, or over cache slots when a cache is passed; combined with causal attention.
+        targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks.
+        Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
+        B, T = tokens.shape
+        start = 0 if cache is None else cache.length
+        if cache is not None and start + T > cache.k.shape[2]:
+            raise ValueError(f"KVCache holds {cache.k.shape[2]} slots, {start + T} needed")
+        if self.inv_freq.device != tokens.device:
+            self.inv_freq = self.inv_freq.to(tokens.device)
+        if input_pos is None:
+            input_pos = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        freqs = input_pos.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        cos = torch.cat((freqs, freqs), dim=-1).cos().unsqueeze(2).to(x.dtype)  # (B, T, 1, D)
+        sin = torch.cat((-freqs, freqs), dim=-1).sin().unsqueeze(2).to(x.dtype)  # sign folded in: see apply_rope
+        mask = None  # plain causal attention (or none at all for a single query)
+        if attn_mask is not None or (start > 0 and T > 1):
+            q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)
+            k_slot = torch.arange(start + T, device=tokens.device)  # (S,)
+            keep = k_slot <= q_slot  # (T, S) causal over slots
+            if attn_mask is not None:
+                keep = keep & attn_mask[:, None, None, : start + T]  # (B, 1, T, S)
+            keep = keep | (k_slot == q_slot)  # a padding query sees itself: no all-masked row, no NaN
+            # additive float mask, made once for all layers: SDPA on CPU converts a bool one per call, slowly
+            mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(~keep, float("-inf"))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.length += T
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x[:, -1:] if last_only else x).float()
+        # chunks over T, each recomputed in backward: neither pass holds (B, T, V) fp32 logits
+        step = max(1, LOGITS_CHUNK // (B * self.config.vocab_size))
+        out = [checkpoint(token_logp, h, t, self.lm_head, temperature, use_reentrant=False)
+               for h, t in zip(x.split(step, dim=1), targets.split(step, dim=1))]
+        return torch.cat([o[0] for o in out], dim=1), torch.cat([o[1] for o in out], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face directories: config.json + model.safetensors (or shards + model.safetensors.index.json)
+
+
+def _read_state(path: Path) -> dict:
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    state = {}
+    for name in files:
+        if not (path / name).exists():
+            hint = " (only pickle weights found: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+            raise FileNotFoundError(f"{path / name}: weights file not found{hint}")
+        try:
+            state.update(load_file(path / name))
+        except SafetensorError as e:
+            raise ValueError(f"{path / name}: unreadable safetensors file, truncated or corrupt ({e}); "
+                             "save or download it again") from None
+    return {k.removeprefix("model."): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model directory (want an HF dir: config.json + model.safetensors)")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path / 'config.json'}: not found; is {path} a Hugging Face model directory?")
+    try:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
+    state = _read_state(path)
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]  # HF omits the tied copy
+    with torch.device("meta"):  # shapes only: no memory, no random init
+        model = Transformer(cfg)
+    want = model.state_dict()
+    missing, unexpected = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match config.json: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]} ({len(missing)} and {len(unexpected)} in all)")
+    for k, v in want.items():
+        if state[k].shape != v.shape:
+            raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, config.json implies "
+                             f"{tuple(v.shape)}; the config does not belong to these weights")
+    model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True made two parameters; re-tie them
+    return model
+
+
+def save_model(model, path, tokenizer=None) -> None:
+    """Writes an HF model directory. DDP and FSDP2 models work; with FSDP2 every rank must call (rank 0 writes)."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    state = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if isinstance(v, DTensor) else v  # FSDP2 shards: gather (a collective)
+        if not (k == "lm_head.weight" and model.config.tie_word_embeddings):  # HF re-ties on load
+            state[k if k == "lm_head.weight" else "model." + k] = v.detach().cpu().contiguous()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf() | {"torch_dtype": str(state["model.embed_tokens.weight"].dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (path / "model.safetensors.index.json").unlink(missing_ok=True)  # a stale shard index would win on load
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path}: no such tokenizer directory")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def char_tokenizer():
+    """One token per character: <pad>=0, <bos>=1, <eos>=2, <unk>=3, then "\\n" and printable ASCII.
+    encode() adds no special tokens (like Qwen2.5's), so decode(encode(text)) == text exactly."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    chars = ["\n"] + [c for c in string.printable if 32 <= ord(c) < 127]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>"))  # no merges: every char is its own token
+    tok.decoder = decoders.Fuse()  # join the characters back without separators
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)

@@ -1,0 +1,134 @@
+"""Batched sampling with a preallocated KV cache: G completions per prompt, each prompt prefilled once.
+
+    out = generate(model, prompts, max_new_tokens=256, num_samples=8, temperature=1.0, eos_ids=[tok.eos_token_id],
+                   generator=torch.Generator().manual_seed(0))
+    out.tokens, out.mask, out.logprobs  # (N, T) each, N = len(prompts) * num_samples, row = prompt * G + sample
+
+Prompts are left-padded so every row writes its next token to the same cache slot; per-row RoPE positions
+and a key mask make the padding exactly invisible. The decode loop does a fixed number of tensor ops per step
+whatever the batch size, and one host sync ("is every row done?"). Finished rows keep decoding (their tokens
+are masked) until the whole batch is done: removing them would cost a cache gather per step.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from model import KVCache
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (N, T) long, completion tokens; pad_id after the stop token
+    mask: torch.Tensor  # (N, T) bool, True up to and including the stop (EOS) token
+    logprobs: torch.Tensor  # (N, T) fp32, log-prob of each token under the sampling distribution; 0 where masked
+    truncated: torch.Tensor  # (N,) bool, the row hit max_new_tokens without an EOS
+
+
+def sample(logits, temperature, top_k, top_p, generator):
+    """logits (N, V) fp32 -> token (N,), its log-prob (N,) under the distribution it was drawn from:
+    softmax(logits / temperature) restricted to the top-k / top-p set. temperature 0 is greedy, and then the
+    log-prob is the model's own (temperature 1)."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, logits.log_softmax(-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = logits.log_softmax(-1)  # (N, V)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator)  # (N, 1)
+    return tok.squeeze(-1), logp.gather(-1, tok).squeeze(-1)
+
+
+@contextmanager
+def gathered(model):
+    """FSDP2: all-gather the parameters once for the whole generation. Per-forward all-gathers would be slow and
+    would hang as soon as ranks stop decoding at different steps. Afterwards FSDP2's defaults are restored:
+    sharded parameters, blocks reshard after forward, the root does not."""
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.set_reshard_after_forward(m is not model, recurse=False)
+            m.reshard()
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
+             top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, compile=False) -> Generation:
+    """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
+    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module  # DDP's own forward would broadcast buffers: a collective per step
+    cfg = model.config
+    if not prompts or not all(len(p) for p in prompts):
+        raise ValueError("generate needs a non-empty list of non-empty prompts (lists of token ids)")
+    if max_new_tokens < 1 or num_samples < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"bad sampling arguments: max_new_tokens={max_new_tokens} num_samples={num_samples} "
+                         f"temperature={temperature} top_p={top_p} top_k={top_k}")
+    ids = [t for p in prompts for t in p] + list(eos_ids) + [pad_id]
+    if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}): prompts, eos_ids or pad_id do not")
+    device = model.embed_tokens.weight.device
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"generator on {generator.device}, model on {device}: use torch.Generator({device.type!r})")
+    with gathered(model):
+        return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
+                         generator, compile)
+
+
+def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, compile):
+    cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
+    device, dtype = weight.device, weight.dtype
+    P, L = len(prompts), max(map(len, prompts))
+    N, S = P * G, L + max_new_tokens  # rows, cache slots
+    # left-pad: every prompt ends at slot L - 1, so step t writes slot L + t in every row
+    tokens = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=device)  # (P, L)
+    real = torch.tensor([[False] * (L - len(p)) + [True] * len(p) for p in prompts], device=device)
+    pos = (real.cumsum(1) - 1).clamp(min=0)  # (P, L) RoPE positions: each prompt starts at 0
+
+    # prefill each prompt once, then copy its cache rows to its G samples
+    prefill = KVCache(cfg, P, L, device, dtype)
+    logits = model(tokens, cache=prefill, input_pos=pos, attn_mask=real, last_only=True)[:, -1]  # (P, V)
+    cache = KVCache(cfg, N, S, device, dtype)
+    cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
+    cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
+    cache.length = L
+    del prefill
+    keys = torch.ones(N, S, dtype=torch.bool, device=device)  # (N, S) which cache slots hold real tokens
+    keys[:, :L] = real.repeat_interleave(G, 0)
+    pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1) position of the first new token
+    logits = logits.repeat_interleave(G, 0)  # (N, V)
+
+    step = torch.compile(model, dynamic=True) if compile else model
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(N, max_new_tokens, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    for t in range(max_new_tokens):
+        tok, out_logp = sample(logits, temperature, top_k, top_p, generator)  # (N,), (N,)
+        out[:, t], logprobs[:, t] = tok, out_logp
+        done |= torch.isin(tok, eos)
+        if t == max_new_tokens - 1 or done.all():  # the step's one host sync
+            break
+        logits = step(tok.unsqueeze(1), cache=cache, input_pos=pos + t, attn_mask=keys, last_only=True)[:, -1]
+
+    out, logprobs = out[:, : t + 1], logprobs[:, : t + 1]
+    is_eos = torch.isin(out, eos)
+    mask = is_eos.cumsum(1) - is_eos.long() == 0  # (N, T) True through the first EOS
+    return Generation(tokens=out.masked_fill(~mask, pad_id), mask=mask, logprobs=logprobs.masked_fill(~mask, 0.0),
+                      truncated=~is_eos.any(1))

@@ -1,0 +1,268 @@
+"""
+SFT warm start: teach a model the R1 format from worked solutions, with the loss on completion tokens only.
+
+Launch:
+  python sft.py                                   # the char-level demo: fresh tiny model, first 10% of arith train
+  torchrun --nproc_per_node=2 sft.py              # the same, data parallel (--dist ddp, or --dist fsdp for FSDP2)
+  torchrun --nproc_per_node=8 sft.py --init path/to/Qwen2.5-0.5B --task gsm8k --data_path gsm8k/train.jsonl \
+      --template r1 --split train[:10%] --eval_split test[:200] --max_new_tokens 512 ...
+
+One example is [prompt tokens] + [target tokens] + [EOS], where the prompt is data.format_prompt(question) (it opens
+the response, e.g. with "<think>") and the target is data.sft_target(row) ("reasoning</think> <answer>N</answer>").
+Labels are -100 on the prompt and on padding, so only the completion is learned; batches are right-padded.
+
+Batching: global batch = micro_batch x grad_accum x world_size; you set --global_batch and --micro_batch and the
+accumulation follows. Step s trains on items [s*G, (s+1)*G) of a seeded stream of epoch permutations, rank r on its
+contiguous share, and the loss is (sum of token losses) / (target tokens in the whole global batch); so 1 process
+and N processes compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
+
+Stopping: --steps is an upper bound. With --stop_pass1 p the run stops at the first held-out evaluation (every
+--eval_every steps, greedy pass@1 on --eval_split: test problems, never training ones) that reaches p. For the
+char-level demo this is what lands the model reliably in the band RL needs: accuracy rises as a sharp jump whose
+position varies a lot between seeds, so a fixed step count does not.
+
+Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model dir + train
+state), latest, and model/ (the final HF model dir: config.json, model.safetensors, tokenizer files; loadable by
+transformers.AutoModelForCausalLM, eval.py and grpo.py).
+
+Simplifications: no sequence packing (each micro-batch pads to its longest row); no resume yet (checkpoints already
+hold what resume needs); the loss is a plain token mean over the global batch (long solutions weigh more).
+"""
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import model as model_lib
+from common import (
+    JsonlLogger,
+    all_reduce_sum,
+    cleanup_dist,
+    init_dist,
+    lr_at,
+    parse_config,
+    print0,
+    publish_model,
+    resolve_model_dir,
+    save_checkpoint,
+    save_json,
+    seed_all,
+    unwrap_model,
+    wrap_model,
+)
+from data import format_prompt, load_task, parse_knobs, sft_target
+from eval import evaluate
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on worked solutions (loss on completion tokens only)."""
+    # model
+    init: str | None = field(default=None, metadata={"help": "HF model dir to start from (none: fresh --model preset)"})
+    model: str = field(default="tiny", metadata={"help": "preset for a fresh model with the char tokenizer"})
+    # data
+    task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
+    split: str = field(default="train[:10%]", metadata={"help": "training problems (with worked solutions)"})
+    data_path: str | None = field(default=None, metadata={"help": "local jsonl for gsm8k/math (default: built-in)"})
+    data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
+    task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
+    template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    # optimisation
+    global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
+    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward on one rank"})
+    steps: int = field(default=2000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    warmup: int = field(default=50, metadata={"help": "linear warmup steps"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor at --steps, as a fraction of --lr"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
+    seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
+    # held-out evaluation and stopping
+    eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
+    eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
+    max_new_tokens: int = field(default=64, metadata={"help": "completion length limit in the in-loop eval"})
+    stop_pass1: float = field(default=0.0, metadata={"help": "stop once held-out pass@1 >= this (0 = run --steps)"})
+    # infrastructure
+    dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})
+    dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
+
+
+# -----------------------------------------------------------------------------
+# examples and the masked loss
+
+
+def build_example(prompt_ids: list[int], target_ids: list[int], eos_id: int) -> tuple[list[int], list[int]]:
+    """[prompt + target + EOS] and its labels: -100 on the prompt (no loss there), the token itself elsewhere."""
+    ids = prompt_ids + target_ids + [eos_id]
+    return ids, [-100] * len(prompt_ids) + target_ids + [eos_id]
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest example and shift: inputs (B, L-1), targets (B, L-1) with -100 on prompt/padding."""
+    L = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), L), -100, dtype=torch.long)
+    for i, (x, y) in enumerate(examples):
+        ids[i, : len(x)], labels[i, : len(y)] = torch.tensor(x), torch.tensor(y)
+    return ids[:, :-1], labels[:, 1:]  # position t predicts token t + 1
+
+
+def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of -log p(target) over the positions whose label is not -100 (normalise by the caller's token count)."""
+    mask = targets != -100  # (B, T)
+    logp, _ = model(inputs, targets=targets.clamp(min=0))  # (B, T) log-probs of the targets, chunked over T
+    return -(logp * mask).sum()
+
+
+def no_sync(model, last: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch (DDP no_sync / FSDP2 requires_gradient_sync)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+        return nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    cfg = parse_config(SFTConfig, argv)
+    d = init_dist(cfg.dist_timeout)
+    torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
+    W = d.world_size
+    if cfg.global_batch % W:
+        raise SystemExit(f"--global_batch {cfg.global_batch} is not divisible by the world size {W}")
+    per_rank = cfg.global_batch // W
+    if per_rank % cfg.micro_batch:
+        raise SystemExit(f"--global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
+                         f"not divisible by --micro_batch {cfg.micro_batch}")
+    accum = per_rank // cfg.micro_batch
+
+    # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
+    try:
+        knobs = parse_knobs(cfg.task_knobs)
+        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"data: {e}") from None
+
+    # --- model and tokenizer: an HF dir, or a fresh preset with the char tokenizer ---------------------------------
+    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    if cfg.init is not None:
+        path = resolve_model_dir(cfg.init)
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise SystemExit(f"--init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
+        tok = model_lib.load_tokenizer(path)
+        model = model_lib.load_model(path, device=d.device)
+    else:
+        tok = model_lib.char_tokenizer()
+        model = model_lib.Transformer(model_lib.preset_config(
+            cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id)).to(d.device)  # fmt: skip
+    seed_all(cfg.seed, d.rank)
+    eos_id = tok.eos_token_id
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
+    n_params = sum(p.numel() for p in model.parameters())
+    model = wrap_model(model, cfg.dist, d)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+    # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
+    examples = []
+    for r in rows:
+        prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: what the prompt opened, "<think>"
+        target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
+        examples.append(build_example(tok.encode(prompt), target, eos_id))
+    n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
+    max_len = unwrap_model(model).config.max_position_embeddings
+    if max(len(ids) for ids, _ in examples) > max_len:
+        raise SystemExit(f"the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
+                         f"max_position_embeddings {max_len}")
+    perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
+
+    def item(i: int) -> int:
+        epoch = i // len(examples)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        return int(perms[epoch][i % len(examples)])
+
+    out = Path(cfg.out_dir)
+    if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "latest"):  # a fresh run: don't mix with an older run's files
+            (out / stale).unlink(missing_ok=True)
+        save_json(out / "config.json", asdict(cfg))
+    log = JsonlLogger(out / "metrics.jsonl", d.is_main)
+    print0(f"SFT: {n_params / 1e6:.2f}M params, {len(examples)} examples ({cfg.task} {cfg.split}), global batch "
+           f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
+           f"dist={cfg.dist if W > 1 else 'none'}")
+    print0(f"config: {asdict(cfg)}")
+
+    # --- training loop ---------------------------------------------------------------------------------------------
+    t_start, pass1, step = time.perf_counter(), None, 0
+    bar = tqdm(total=cfg.steps, disable=not d.is_main, desc="sft", dynamic_ncols=True)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = [item(i) for i in range((step - 1) * cfg.global_batch, step * cfg.global_batch)]
+        n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the whole global batch (no communication needed)
+        mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
+        model.train()
+        loss_sum, n_in = 0.0, 0
+        for k in range(accum):
+            micro = mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]
+            inputs, targets = collate([examples[i] for i in micro], pad_id)  # (b, T) each
+            with no_sync(model, k == accum - 1):
+                loss = sft_loss(model, inputs.to(d.device), targets.to(d.device))
+                (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
+            loss_sum += loss.item()
+            n_in += int((inputs != pad_id).sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+        if not torch.isfinite(grad_norm):
+            raise SystemExit(f"step {step}: non-finite grad norm ({grad_norm.item()}); stopping before the update")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_sum, n_in = all_reduce_sum([loss_sum, n_in], d)
+        dt = time.perf_counter() - t0
+        metrics = {"step": step, "loss": loss_sum / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
+                   "tokens_per_s": n_in / dt, "elapsed_s": time.perf_counter() - t_start}
+
+        # --- held-out eval (every rank takes part), early stop --------------------------------------------------------
+        stop = False
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
+                                  dist=d, seed=cfg.seed)  # fmt: skip
+            pass1 = summary["pass@1"]
+            metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
+            stop = 0 < cfg.stop_pass1 <= pass1
+        log.write(metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.1e}", pass1="-" if pass1 is None else f"{pass1:.3f}")
+        if stop:
+            print0(f"\nstep {step}: held-out pass@1 {pass1:.3f} >= --stop_pass1 {cfg.stop_pass1}: stopping")
+        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            ckpt = save_checkpoint(out, step, model, tok, {"data_position": step * cfg.global_batch}, d, optimizer=opt,
+                                   keep=cfg.keep)  # fmt: skip
+        if stop:
+            break
+    bar.close()
+    if d.is_main:
+        publish_model(ckpt, out / "model")
+    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
+    cleanup_dist()
+
+
+if __name__ == "__main__":
+    main()

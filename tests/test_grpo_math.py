@@ -1,0 +1,122 @@
+"""GRPO math against hand-computed numbers: advantages, each loss aggregation, clipping, k3 KL, filters,
+and the one-update gradient == REINFORCE with a group baseline (softmax gradient written out by hand)."""
+
+import math
+
+import pytest
+import torch
+
+from grpo import group_advantages, policy_loss, token_weights
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 1.0, 1.0]])
+    a = group_advantages(r, "none")
+    assert torch.allclose(a, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [1.0, -1.0, 0.0, 0.0]]))
+    s = group_advantages(r, "group", eps=1e-4)
+    # sample std of (1,0,0,1) = sqrt(1/3); of (2,0,1,1) = sqrt(2/3); of zeros = 0 -> 0 / eps = 0
+    assert s[0, 0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), rel=1e-6)
+    assert s[2, 1].item() == pytest.approx(-1.0 / (math.sqrt(2 / 3) + 1e-4), rel=1e-6)
+    assert torch.equal(s[1], torch.zeros(4))
+
+
+# A batch of 3 completions over 4 token slots, written out so each loss can be computed with plain floats.
+LOGP = [[-1.0, -0.5, -2.0, 0.0], [-0.2, -0.3, 0.0, 0.0], [-1.5, -0.1, -0.4, -0.9]]
+OLD = [[-1.1, -0.5, -1.0, 0.0], [-0.2, -0.9, 0.0, 0.0], [-1.0, -0.1, -0.4, -2.0]]
+MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+ADV = [1.0, -1.0, 0.5]
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _hand_token_loss(i, t, beta=0.0, ref=None):
+    rho = math.exp(LOGP[i][t] - OLD[i][t])
+    a = ADV[i]
+    clipped = min(max(rho, 1 - EPS_LOW), 1 + EPS_HIGH)
+    l = -min(rho * a, clipped * a)
+    if beta:
+        d = ref[i][t] - LOGP[i][t]
+        l += beta * (math.exp(d) - d - 1)
+    return l
+
+
+def _tensors():
+    return (torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(MASK, dtype=torch.float32), torch.tensor(ADV)[:, None])
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+def test_each_loss_variant_by_hand(loss):
+    logp, old, mask, adv = _tensors()
+    l, st = policy_loss(logp, old, None, adv, EPS_LOW, EPS_HIGH, beta=0.0)
+    w = token_weights(mask, loss, n_seqs=3, n_tokens=9, max_len=4)
+    got = (l * w).sum().item()
+    per_tok = [[_hand_token_loss(i, t) * MASK[i][t] for t in range(4)] for i in range(3)]
+    if loss == "grpo":
+        want = sum(sum(row) / sum(MASK[i]) for i, row in enumerate(per_tok)) / 3
+    elif loss == "dapo":
+        want = sum(map(sum, per_tok)) / 9
+    else:
+        want = sum(map(sum, per_tok)) / (3 * 4)
+    assert got == pytest.approx(want, rel=1e-6)
+    # clipping: row 0 t=2 (rho=e^-1 < 0.8, A>0) and row 1 t=1 (rho=e^0.6 > 1.28, A<0) stay unclipped, since min()
+    # keeps the unclipped branch there; row 2 t=3 (rho=e^1.1 > 1.28, A>0) is clipped high.
+    rho = torch.exp(logp - old)
+    assert torch.equal(st["clip_high"], ((rho > 1 + EPS_HIGH) & (adv > 0)).float())
+    assert st["clip_high"][2, 3].item() == 1.0  # rho = e^1.1 > 1.28 with A = 0.5 > 0
+    assert st["clip_low"].sum().item() == 0.0
+    # a token with rho < 1 - eps and A < 0 is clipped low
+    l2, st2 = policy_loss(torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), None, torch.tensor([[-1.0]]), 0.2, 0.28, 0.0)
+    assert st2["clip_low"].item() == 1.0
+    assert l2.item() == pytest.approx(-(0.8 * -1.0))
+
+
+def test_k3_kl_by_hand():
+    logp, old, mask, adv = _tensors()
+    ref = [[-1.2, -0.4, -2.5, 0.0], [-0.1, -0.3, 0.0, 0.0], [-1.5, -0.3, -0.2, -1.0]]
+    l, st = policy_loss(logp, old, torch.tensor(ref), adv, EPS_LOW, EPS_HIGH, beta=0.04)
+    for i in range(3):
+        for t in range(4):
+            assert l[i, t].item() == pytest.approx(_hand_token_loss(i, t, 0.04, ref), rel=1e-5, abs=1e-7)
+            d = ref[i][t] - LOGP[i][t]
+            assert st["kl"][i, t].item() == pytest.approx(math.exp(d) - d - 1, abs=1e-6)
+    assert (st["kl"] >= 0).all()
+
+
+def test_filters_leave_the_denominator():
+    # zero-std group and a truncated completion are removed from the mask -> from numerator and denominator
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    keep = torch.tensor([True, False, True])  # row 1 filtered
+    m = mask * keep[:, None]
+    w = token_weights(m, "dapo", n_seqs=2, n_tokens=m.sum().item(), max_len=3)
+    assert torch.allclose(w, torch.tensor([[1 / 3, 1 / 3, 0], [0, 0, 0], [1 / 3, 0, 0]]))
+    w = token_weights(m, "grpo", n_seqs=2, n_tokens=3, max_len=3)
+    assert torch.allclose(w, torch.tensor([[0.25, 0.25, 0], [0, 0, 0], [0.5, 0, 0]]))
+
+
+def test_one_update_gradient_is_reinforce_with_group_baseline():
+    """Toy policy: independent softmax per position, logits theta (T, V). With old = logp.detach() (rho == 1),
+    grad of the GRPO loss = -sum_i sum_t w_it * A_i * (onehot(a_it) - softmax(theta_t)) — written out by hand."""
+    torch.manual_seed(0)
+    T, V, G = 3, 5, 4
+    theta = torch.randn(T, V, requires_grad=True)
+    actions = torch.randint(0, V, (G, T))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    r = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    adv = group_advantages(r, "group").view(-1, 1)
+    logp = torch.log_softmax(theta, -1)[torch.arange(T)[None, :], actions]  # (G, T)
+    l, _ = policy_loss(logp, logp.detach(), None, adv, 0.2, 0.28, 0.0)
+    w = token_weights(mask, "grpo", n_seqs=G, n_tokens=mask.sum().item(), max_len=T)
+    (l * w).sum().backward()
+
+    p = torch.softmax(theta.detach(), -1)
+    want = torch.zeros(T, V)
+    for i in range(G):
+        for t in range(T):
+            onehot = torch.zeros(V)
+            onehot[actions[i, t]] = 1.0
+            want[t] -= w[i, t] * adv[i, 0] * (onehot - p[t])
+    assert torch.allclose(theta.grad, want, atol=1e-6)
+
+
+def test_bad_loss_name():
+    with pytest.raises(ValueError, match="--loss"):
+        token_weights(torch.ones(1, 1), "ppo", 1, 1, 1)

@@ -1,0 +1,202 @@
+"""model.py against Hugging Face's own Llama/Qwen2 implementations, on tiny random checkpoints."""
+
+import json
+import string
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import model as M
+from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
+
+SIZES = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # short original context: all three frequency bands occur
+CASES = {  # name: (HF class, config class, config overrides)
+    "llama-gqa-llama3rope-untied": (LlamaForCausalLM, LlamaConfig,
+                                    dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
+    "llama-mha-tied-headdim": (LlamaForCausalLM, LlamaConfig,
+                               dict(num_key_value_heads=4, tie_word_embeddings=True, head_dim=16)),
+    "qwen2-gqa-tied-bias": (Qwen2ForCausalLM, Qwen2Config,
+                            dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen2-gqa-untied-bias": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2)),
+}
+
+
+def randomize(model, seed=0):
+    """Every parameter random (biases and norm gains too), O(1) logits: nothing passes by being zero or one."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (p.dim() == 1))
+    return model
+
+
+def hf_model(case, seed=0):
+    cls, cfg_cls, kw = CASES[case]
+    return randomize(cls(cfg_cls(**SIZES, **kw)).eval(), seed)
+
+
+def tokens(B=3, T=20, seed=0):
+    return torch.randint(0, SIZES["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_hf_both_directions(case, tmp_path):
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf")
+    x = tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert (ours(x) - ref).abs().max() <= 1e-4
+        # reverse: our writer, HF's reader
+        save_model(ours, tmp_path / "ours")
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+        assert type(back) is type(hf)
+        assert (back(x).logits - ref).abs().max() <= 1e-4
+    assert ours.config.tie_word_embeddings == (ours.lm_head.weight is ours.embed_tokens.weight)
+
+
+def test_padded_rows_and_positions_match_unpadded(tmp_path):
+    hf_model("qwen2-gqa-untied-bias").save_pretrained(tmp_path)
+    ours, x = load_model(tmp_path), tokens(2, 12)
+    real = torch.ones(2, 15, dtype=torch.bool)
+    real[1, :3] = False  # row 1 left-padded by 3
+    padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), x], 1)
+    padded[0, :3] = x[0, :3]
+    pos = (real.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = ours(padded, input_pos=pos, attn_mask=real)
+        assert (out[1, 3:] - ours(x[1:])[0]).abs().max() <= 1e-4
+        assert out.isfinite().all()  # padding queries attend to themselves, no NaN
+
+
+def test_both_config_layouts(tmp_path):
+    hf = hf_model("llama-gqa-llama3rope-untied")
+    hf.save_pretrained(tmp_path)
+    new = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in new  # transformers 5 wrote its own layout
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")}
+    rope = dict(new["rope_parameters"])
+    old |= {"rope_theta": rope.pop("rope_theta"), "torch_dtype": "float32",
+            "rope_scaling": {"type": rope.pop("rope_type")} | rope}  # hub layout, with the old "type" key
+    assert ModelConfig.from_hf(old) == ModelConfig.from_hf(new)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    x = tokens()
+    with torch.no_grad():
+        assert (load_model(tmp_path)(x) - hf(x).logits).abs().max() <= 1e-4
+    cfg = ModelConfig.from_hf(new)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = hf_model("qwen2-gqa-tied-bias")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    x = tokens()
+    with torch.no_grad():
+        assert (load_model(tmp_path)(x) - hf(x).logits).abs().max() <= 1e-4
+
+
+def test_bf16_load_keeps_fp32_rope(tmp_path):
+    hf_model("llama-gqa-llama3rope-untied").save_pretrained(tmp_path)
+    m = load_model(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters()) and m.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        diff = (m(tokens()) - load_model(tmp_path)(tokens())).abs().max()
+    assert diff < 0.5  # bf16 rounding, not garbage
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    hf_model("llama-mha-tied-headdim").save_pretrained(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    weights = (tmp_path / "ok" / "model.safetensors").read_bytes()
+
+    def variant(name, config=cfg, data=weights):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        if data is not None:
+            (tmp_path / name / "model.safetensors").write_bytes(data)
+        return tmp_path / name
+
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(variant("noweights", data=None))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        load_model(variant("gpt2", cfg | {"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="has shape"):
+        load_model(variant("shape", cfg | {"intermediate_size": 40}))
+    with pytest.raises(ValueError, match="missing .*layers.2"):
+        load_model(variant("layers", cfg | {"num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match="missing .*lm_head"):  # an untied config needs its own lm_head
+        load_model(variant("untied", cfg | {"tie_word_embeddings": False, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_model(variant("truncated", data=weights[: len(weights) // 2]))
+    with pytest.raises(ValueError, match="rope_scaling .* not supported"):
+        load_model(variant("yarn", cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logp_matches_plain_log_softmax(temperature, monkeypatch):
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="qwen2", **SIZES, num_key_value_heads=2)
+    ref, ours = Transformer(cfg), Transformer(cfg)
+    ours.load_state_dict(randomize(ref).state_dict())
+    x, y = tokens(3, 17, seed=1), tokens(3, 17, seed=2)
+    monkeypatch.setattr(M, "LOGITS_CHUNK", 3 * 4 * SIZES["vocab_size"])  # 4 positions per chunk: 5 chunks
+    logp, entropy = ours(x, targets=y, temperature=temperature)
+    full = (ref(x) / temperature).log_softmax(-1)  # (B, T, V)
+    want = full.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    assert (logp - want).abs().max() <= 1e-5
+    assert (entropy - -(full.exp() * full).sum(-1)).abs().max() <= 1e-4 and not entropy.requires_grad
+    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+    (logp * w).sum().backward()
+    (want * w).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_presets():
+    with torch.device("meta"):
+        sizes = {name: sum(p.numel() for p in Transformer(preset_config(name, 99)).parameters()) for name in M.PRESETS}
+    assert 0.5e6 < sizes["tiny"] < 2e6 and 23e6 < sizes["25m"] < 27e6
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_config("huge", 99)
+
+
+def test_char_tokenizer_saves_and_loads(tmp_path):
+    tok = char_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    text = "Q: 12+7=?\n  A:  <think>19</think>\t é"
+    save_model(Transformer(preset_config("tiny", len(tok))), tmp_path, tokenizer=tok)  # one ordinary HF dir
+    for t in (tok, AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(tmp_path)):
+        ids = t(text)["input_ids"]
+        assert len(ids) == len(text) and ids.count(tok.unk_token_id) == 2  # tab and é are not in the vocab
+        assert t.decode(t("a  b\n c")["input_ids"]) == "a  b\n c"
+        assert t.decode(ids[:5] + [tok.eos_token_id], skip_special_tokens=True) == text[:5]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")))
+def test_char_tokenizer_round_trip(text):
+    tok = _TOK
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+_TOK = char_tokenizer()

@@ -1,0 +1,179 @@
+"""sampler.generate against cache-free decoding, HF generate and teacher-forced log-probs; DDP and FSDP2 runs."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model import ModelConfig, Transformer, save_model
+from sampler import generate
+
+V = 53
+PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [4, 1], [12, 30, 6, 6, 40], [17]]  # ragged on purpose
+
+
+def tiny_model(seed=0):
+    cfg = ModelConfig(model_type="qwen2", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():  # O(1) logits, so greedy decoding never hinges on a rounding-level tie
+        for p in m.parameters():
+            p.normal_(0.0, 0.3).add_(p.dim() == 1)
+    return m
+
+
+def greedy_no_cache(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(model(torch.tensor([seq]))[0, -1].argmax().item())
+    return seq[len(prompt):]
+
+
+def test_greedy_matches_uncached_argmax_and_hf(tmp_path):
+    model = tiny_model()
+    out = generate(model, PROMPTS, 12, temperature=0)
+    assert out.tokens.shape == (4, 12) and out.mask.all() and out.truncated.all()
+    for row, prompt in zip(out.tokens.tolist(), PROMPTS):
+        assert row == greedy_no_cache(model, prompt, 12)
+    # HF generate on the same weights, the same left-padded batch
+    save_model(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    L = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in PROMPTS])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=(torch.arange(L) >= L - torch.tensor([[len(p)] for p in PROMPTS])).long(),
+                          do_sample=False, max_new_tokens=12, min_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.tokens, ref[:, L:])
+
+
+def test_per_row_eos_stop_and_early_exit():
+    model = tiny_model()
+    free = generate(model, PROMPTS, 10, temperature=0).tokens
+    eos = [free[0, 2].item(), free[2, 0].item()]  # rows stop at different steps
+    out = generate(model, PROMPTS, 10, temperature=0, eos_ids=eos, pad_id=V - 1)
+    stops = []
+    for i, row in enumerate(free.tolist()):
+        stop = next((t for t, tok in enumerate(row) if tok in eos), None)  # index of the first EOS, or None
+        n = len(row) if stop is None else stop + 1
+        stops.append(n)
+        assert out.mask[i, :n].all() and not out.mask[i, n:].any()
+        assert out.tokens[i, :n].tolist() == row[:n] and (out.tokens[i, n:] == V - 1).all()
+        assert out.truncated[i] == (stop is None) and (out.logprobs[i, n:] == 0).all()
+    assert out.tokens.shape[1] == max(stops)  # the loop stopped once every row had
+    everyone = generate(model, PROMPTS, 10, temperature=0, eos_ids=list(range(V)))
+    assert everyone.tokens.shape == (4, 1) and everyone.mask.all() and not everyone.truncated.any()
+
+
+def test_seeded_sampling_is_reproducible():
+    model = tiny_model()
+    run = lambda seed: generate(model, PROMPTS, 8, num_samples=3, generator=torch.Generator().manual_seed(seed))
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def reference_logp(logits, temperature, top_k, top_p):
+    """log-probs of the sampling distribution, written independently of sampler.sample: logits (T, V)."""
+    logits = logits / temperature
+    if top_k:  # as in HF: top-k first, then top-p on what remains
+        logits = logits.masked_fill(logits < logits.sort(-1, descending=True).values[:, top_k - 1:top_k], -torch.inf)
+    if top_p < 1:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        for t in range(len(logits)):
+            probs, order = logits[t].softmax(-1).sort(descending=True)
+            n = int((probs.cumsum(0) < top_p).sum()) + 1  # smallest prefix with mass >= top_p
+            keep[t, order[:n]] = True
+        logits = logits.masked_fill(~keep, -torch.inf)
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
+                                                     (0.8, 10, 0.9)])
+def test_logprobs_match_teacher_forcing(temperature, top_k, top_p):
+    model = tiny_model(1)
+    out = generate(model, PROMPTS, 9, num_samples=2, temperature=temperature, top_k=top_k, top_p=top_p,
+                   eos_ids=[3], generator=torch.Generator().manual_seed(0))
+    for i, prompt in enumerate(p for p in PROMPTS for _ in range(2)):  # rows are prompt-major
+        n = int(out.mask[i].sum())
+        seq = torch.tensor([prompt + out.tokens[i, :n].tolist()])
+        with torch.no_grad():
+            logits = model(seq)[0, len(prompt) - 1: -1]  # (n, V): the logits each completion token was drawn from
+        want = reference_logp(logits, temperature, top_k, top_p).gather(-1, seq[0, len(prompt):, None])[:, 0]
+        assert want.isfinite().all()  # every sampled token lies inside the top-k / top-p set
+        assert (out.logprobs[i, :n] - want).abs().max() <= 1e-4
+
+
+def test_cache_copies_equal_independent_prefills():
+    model = tiny_model()
+    together = generate(model, PROMPTS, 10, num_samples=3, temperature=0)
+    for p, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt] * 3, 10, temperature=0)  # prefilled three times, separately
+        assert torch.equal(together.tokens[3 * p: 3 * p + 3], alone.tokens)
+        assert (together.logprobs[3 * p: 3 * p + 3] - alone.logprobs).abs().max() <= 1e-5
+
+
+def test_bad_arguments():
+    model = tiny_model()
+    for kwargs, msg in [(dict(prompts=[]), "non-empty"), (dict(prompts=[[1], []]), "non-empty"),
+                        (dict(prompts=[[1, V]]), r"\[0, 53\)"), (dict(eos_ids=[-1]), r"\[0, 53\)"),
+                        (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(top_p=0.0), "top_p=0.0"),
+                        (dict(temperature=-1), "temperature=-1"), (dict(num_samples=0), "num_samples=0")]:
+        with pytest.raises(ValueError, match=msg):
+            generate(model, **{"prompts": [[1, 2]], "max_new_tokens": 4} | kwargs)
+
+
+WORKER = """
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from sampler import generate
+from test_sampler import PROMPTS, tiny_model
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+prompts = PROMPTS[rank::2]
+n = 4 + 7 * rank  # rank 0 decodes 4 steps, rank 1 eleven: a collective per step would hang
+want = generate(tiny_model(), prompts, n, temperature=0).tokens
+ddp = DistributedDataParallel(tiny_model())
+assert torch.equal(generate(ddp, prompts, n, temperature=0).tokens, want)
+fsdp = tiny_model()
+for layer in fsdp.layers:
+    fully_shard(layer)
+fully_shard(fsdp)
+g = torch.Generator().manual_seed(rank)
+for _ in range(2):  # twice: the parameters must be sharded again, and usable for training, in between
+    assert torch.equal(generate(fsdp, prompts, n, temperature=0).tokens, want)
+    generate(fsdp, prompts, n, num_samples=2, generator=g)
+    logp, _ = fsdp(torch.tensor([PROMPTS[0]]), targets=torch.tensor([PROMPTS[0]]))
+    logp.sum().backward()
+    assert type(fsdp.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
+open(os.path.join({out!r}, f"rank{{rank}}.ok"), "w").close()
+dist.destroy_process_group()
+"""
+
+
+def test_generate_under_ddp_and_fsdp2(tmp_path):
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER.format(root=str(tests.parent), tests=str(tests), out=str(tmp_path))))
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=180)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers: a hang must not outlive the test
+        out = proc.communicate()[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()

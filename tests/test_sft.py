@@ -1,0 +1,113 @@
+"""sft.py: loss masking, 1 process == 2-process DDP == 2-process FSDP2, the output loads in transformers, bad input.
+
+The distributed runs are real `torchrun` subprocesses on the gloo backend (CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as model_lib
+import sft
+
+ROOT = Path(__file__).resolve().parents[1]
+# a short run: 6 steps of 8 sequences, an in-loop eval at steps 3 and 6 on 6 held-out problems (exercises
+# evaluate() on the wrapped model, including a rank without a real batch), a checkpoint at step 4
+TINY = ["--steps", "6", "--global_batch", "8", "--micro_batch", "4", "--lr", "1e-3", "--warmup", "2",
+        "--eval_every", "3", "--eval_split", "test[:6]", "--max_new_tokens", "8", "--save_every", "4"]
+
+
+def torchrun(script: str, args: list[str], nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(ROOT / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft1")
+    sft.main([*TINY, "--out_dir", str(out)])  # in-process: the one-process reference
+    return out
+
+
+def test_loss_masks_prompt_tokens():
+    # hand-built: prompt [5, 6, 7], target [8, 9], EOS 2; a second, shorter example gets right-padded with 0
+    ids, labels = sft.build_example([5, 6, 7], [8, 9], 2)
+    assert ids == [5, 6, 7, 8, 9, 2] and labels == [-100, -100, -100, 8, 9, 2]
+    inputs, targets = sft.collate([(ids, labels), sft.build_example([10, 11], [12], 2)], pad_id=0)
+    assert inputs.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 2, 0]]
+    assert targets.tolist() == [[-100, -100, 8, 9, 2], [-100, 12, 2, -100, -100]]
+
+    torch.manual_seed(0)
+    cfg = model_lib.preset_config("tiny", 20, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    model = model_lib.Transformer(cfg)
+    logits = model(inputs)  # (2, 5, V): the reference takes only the 5 completion positions by hand
+    want = sum(-F.log_softmax(logits[b, t], -1)[targets[b, t]] for b, t in [(0, 2), (0, 3), (0, 4), (1, 1), (1, 2)])
+    assert torch.allclose(sft.sft_loss(model, inputs, targets), want, atol=1e-5)
+    # the prompt's logits get no gradient (checked on the output: perturbing prompt-position logits changes nothing)
+    logits = logits.detach().requires_grad_(True)
+    logp = F.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    (-(logp * (targets != -100)).sum()).backward()
+    assert logits.grad[0, :2].abs().sum() == 0 and logits.grad[1, 0].abs().sum() == 0
+    assert logits.grad[1, 3:].abs().sum() == 0  # padding
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_match_one(single_run, tmp_path, mode):
+    out = tmp_path / mode
+    p = torchrun("sft.py", [*TINY, "--dist", mode, "--out_dir", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "global batch 8 = 4 micro x 1 accum x 2 rank(s)" in p.stdout
+    ref, got = metrics(single_run), metrics(out)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (mode, a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
+        assert a.get("eval_pass1") == b.get("eval_pass1")
+    # the final weights agree too, and the step-4 checkpoint was kept (keep=2) next to the final one
+    assert (out / "latest").read_text().strip() == "step_000006" and (out / "step_000004").is_dir()
+    w_ref, w = model_lib.load_model(single_run / "model").state_dict(), model_lib.load_model(out / "model").state_dict()
+    for k in w_ref:
+        assert torch.allclose(w_ref[k], w[k], atol=1e-5), k
+
+
+def test_output_loads_in_transformers(single_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = single_run / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in d.iterdir()}
+    assert json.loads((single_run / "config.json").read_text())["steps"] == 6  # the resolved run config
+    hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    x = torch.tensor([tok.encode("What is 12+34-5?\n<think>")])
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, model_lib.load_model(d)(x), atol=1e-4)
+    assert tok.decode(tok.encode("12+34=46</think>")) == "12+34=46</think>"
+
+
+def test_bad_inputs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sft.main(["--help"])
+    assert e.value.code == 0 and "--global_batch" in capsys.readouterr().out
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(SystemExit, match=r"--init .*: not a model directory"):
+        sft.main(["--init", str(tmp_path), "--out_dir", str(tmp_path / "o1")])
+    with pytest.raises(SystemExit, match="unknown task 'arithh'"):
+        sft.main(["--task", "arithh", "--out_dir", str(tmp_path / "o2")])
+    with pytest.raises(SystemExit, match="not divisible by --micro_batch"):
+        sft.main(["--global_batch", "12", "--micro_batch", "8", "--out_dir", str(tmp_path / "o3")])
+    p = torchrun("sft.py", ["--global_batch", "7", "--out_dir", str(tmp_path / "o4")])
+    assert p.returncode != 0
+    assert "--global_batch 7 is not divisible by the world size 2" in p.stderr
+    assert 'sft.py", line' not in p.stderr  # one clear line, no stack trace from the script (torchrun adds its own)
+    assert not (tmp_path / "o4").exists()  # nothing written

@@ -8,10 +8,12 @@ prompts of ~32 tokens (left-padded for HF), fp32, plain sampling at temperature 
 (no EOS: eos_ids=() here, eos_token_id=None and min_new_tokens=128 there). Times are medians over repetitions,
 the two sides interleaved so background load hits both alike. Also printed: the decode's achieved GFLOP/s (its
 matmul FLOPs over its time) next to plain torch.matmul on the same shapes, i.e. this machine's ceiling for them.
-The last line is machine-readable: the smallest speedup over all configs and devices.
+Speedups are medians of per-repetition ratios. The last line is machine-readable: the smallest speedup over
+all configs and devices. --compile adds generate(compile=True) timings, reported apart from the summary.
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -57,7 +59,7 @@ def matmul_gflops(cfg, N, device, reps):
     return flops / statistics.median(timed(run, device) for _ in range(reps * 10)) / 1e9
 
 
-def bench(name, device, reps):
+def bench(name, device, reps, compile):
     torch.manual_seed(0)
     cfg = preset_config(name, VOCAB)
     with tempfile.TemporaryDirectory() as d:
@@ -73,8 +75,8 @@ def bench(name, device, reps):
     hf_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW,
                               min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
 
-    def run_ours(n=NEW):
-        out = generate(ours, prompts, n, eos_ids=(), generator=g)
+    def run_ours(n=NEW, compile=False):
+        out = generate(ours, prompts, n, eos_ids=(), generator=g, compile=compile)
         assert out.tokens.shape == (BATCH, n) and out.mask.all()
 
     def run_hf():
@@ -83,19 +85,26 @@ def bench(name, device, reps):
         assert out.shape == (BATCH, L + NEW)
 
     run_ours(), run_hf()  # warm-up
-    t_ours, t_hf, t_prefill = [], [], []
-    for _ in range(reps):  # interleaved
-        t_ours.append(timed(run_ours, device))
-        t_hf.append(timed(run_hf, device))
-        t_prefill.append(timed(lambda: run_ours(1), device))
-    t_ours, t_hf, t_prefill = map(statistics.median, (t_ours, t_hf, t_prefill))
+    if compile:
+        run_ours(compile=True)  # compiles (tens of seconds on CPU)
+    t = {"ours": [], "hf": [], "prefill": [], "compiled": []}
+    for _ in range(reps):  # interleaved, so a burst of background load hits both sides
+        t["ours"].append(timed(run_ours, device))
+        t["hf"].append(timed(run_hf, device))
+        t["prefill"].append(timed(lambda: run_ours(1), device))
+        if compile:
+            t["compiled"].append(timed(lambda: run_ours(compile=True), device))
+    med = {k: statistics.median(v) for k, v in t.items() if v}
+    speedup = statistics.median(h / o for h, o in zip(t["hf"], t["ours"]))  # of each adjacent pair
     params = sum(p.numel() for p in ours.parameters())
-    achieved = decode_flops(cfg, BATCH, sum(lens) / BATCH) / (t_ours - t_prefill) / 1e9
-    speedup = t_hf / t_ours
-    print(f"{name} ({params / 1e6:.2f}M params) {device.type}: ours {BATCH * NEW / t_ours:,.0f} tok/s "
-          f"({t_ours:.2f}s), HF generate {BATCH * NEW / t_hf:,.0f} tok/s ({t_hf:.2f}s), speedup {speedup:.2f}x | "
-          f"decode {achieved:.1f} GFLOP/s vs torch.matmul same shapes {matmul_gflops(cfg, BATCH, device, reps):.1f} "
-          f"GFLOP/s", flush=True)
+    achieved = decode_flops(cfg, BATCH, sum(lens) / BATCH) / (med["ours"] - med["prefill"]) / 1e9
+    print(f"{name} ({params / 1e6:.2f}M params) {device.type}: ours {BATCH * NEW / med['ours']:,.0f} tok/s "
+          f"({med['ours']:.2f}s, prefill {med['prefill']:.2f}s), HF generate {BATCH * NEW / med['hf']:,.0f} tok/s "
+          f"({med['hf']:.2f}s), speedup {speedup:.2f}x | decode {achieved:.1f} GFLOP/s vs torch.matmul on the same "
+          f"shapes {matmul_gflops(cfg, BATCH, device, reps):.1f} GFLOP/s", flush=True)
+    if compile:
+        print(f"{name} {device.type}: ours with compile=True {BATCH * NEW / med['compiled']:,.0f} tok/s "
+              f"({med['compiled']:.2f}s), {med['hf'] / med['compiled']:.2f}x HF generate (not in the summary)")
     return speedup
 
 
@@ -103,15 +112,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 repetitions instead of 7")
     p.add_argument("--configs", default="tiny,25m", help="comma-separated presets")
+    p.add_argument("--compile", action="store_true", help="also time generate(compile=True), reported apart")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for both sides (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     results = {}
-    print(f"batch {BATCH}, prompts 28-36 tokens, {NEW} new tokens, fp32, {torch.get_num_threads()} CPU threads")
+    print(f"batch {BATCH}, prompts 28-36 tokens, {NEW} new tokens, fp32, {torch.get_num_threads()} CPU threads, "
+          f"load average {os.getloadavg()[0]:.1f} (other processes skew CPU timings)")
     for device in devices:
         for name in args.configs.split(","):
-            s = results[f"{name}/{device.type}"] = bench(name, device, 3 if args.quick else 7)
+            s = results[f"{name}/{device.type}"] = bench(name, device, 3 if args.quick else 7, args.compile)
             print(f"sampler_vs_hf_generate config={name} device={device.type} speedup={s:.2f}x", flush=True)
     worst = min(results, key=results.get)
+    print(f"load average {os.getloadavg()[0]:.1f}")
     print(f"sampler_vs_hf_generate speedup={results[worst]:.2f}x (worst of {', '.join(results)}: {worst})")
 
 

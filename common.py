@@ -5,20 +5,31 @@ JSONL metrics, DDP / FSDP2 wrapping, metric all-reduce, the LR schedule and run-
 
 Run directory layout (one per training run):
     run/config.json      resolved config of the run
-    run/metrics.jsonl    one JSON object per step
+    run/metrics.jsonl    one JSON object per step (samples.jsonl: a few completions per step, grpo.py)
     run/step_000200/     complete checkpoint: an HF model dir (config.json, model.safetensors, tokenizer files)
-                         + train_state.pt (optimizer, step, data position, ...) + rng_rank{r}.pt (one per rank)
+                         + train_state.pt (full optimizer state, step, data position, ...) + rng_rank{r}.pt (one per
+                         rank) + run_config.json (the config that wrote it; --resume compares against it)
     run/latest           name of the newest complete checkpoint, written last
+
+Checkpoints hold *full* (unsharded) state gathered on rank 0, not torch.distributed.checkpoint's sharded format:
+any world size and any of none/ddp/fsdp loads them, and a checkpoint is one plain directory that only rank 0 writes.
+The price is that rank 0 holds the whole optimizer state (2x the fp32 parameters) in CPU memory while saving: fine
+for the <= 1B-parameter models minigrpo trains; beyond that, DCP's sharded save is the next step.
 """
 
 import argparse
 import dataclasses
+import io
 import json
 import os
 import random
 import shutil
+import socket
+import sys
+import traceback
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +62,9 @@ class Dist:
 
 def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
     """Join the torchrun process group if launched by torchrun (RANK/LOCAL_RANK/WORLD_SIZE set), else run as one
-    process. nccl + cuda:LOCAL_RANK when CUDA is available (and device isn't forced to "cpu"), else gloo + cpu."""
+    process. nccl + cuda:LOCAL_RANK when CUDA is available (and device isn't forced to "cpu"), else gloo + cpu.
+    timeout_s (the scripts' --dist_timeout) bounds every collective: a rank that stops answering makes the others
+    fail after it (gloo raises in the waiting call; NCCL's watchdog aborts the process) instead of hanging the run."""
     use_cuda = torch.cuda.is_available() and device != "cpu"
     if "RANK" not in os.environ:  # plain `python script.py`
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
@@ -62,7 +75,34 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                  device_id=dev if use_cuda else None)
+        _explain_collective_timeouts(rank, timeout_s)
+    # one line per rank: which host and node hold which rank (GROUP_RANK is torchrun's node index)
+    print(f"[dist] rank {rank}/{world} local_rank {local_rank} node {os.environ.get('GROUP_RANK', '?')} on "
+          f"{socket.gethostname()}: {tdist.get_backend()}, {dev}, collective timeout {timeout_s:g}s",
+          file=sys.stderr, flush=True)  # fmt: skip
     return Dist(rank, local_rank, world, dev)
+
+
+def _explain_collective_timeouts(rank: int, timeout_s: float):
+    """After the usual traceback of a timed-out collective, say which one and what it means. (gloo in torch 2.13 only
+    says "Timed out waiting 600000ms for recv operation to complete"; NCCL's watchdog names the op itself.)"""
+    previous, torch_dir = sys.excepthook, os.path.dirname(torch.__file__)
+
+    def hook(kind, err, tb):
+        previous(kind, err, tb)  # torch's hook: the traceback, each line prefixed "[rankN]:"
+        frames = traceback.extract_tb(tb)
+        c10d = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
+        in_backward = any(f.name == "backward" for f in frames)
+        if "timed out" not in str(err).lower() or not (c10d or in_backward):
+            return
+        what = c10d[0] if c10d else "the gradient all-reduce / reduce-scatter of backward()"  # [0]: the one called
+        ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames
+                if not f.filename.startswith(torch_dir)][-2:]  # fmt: skip
+        print(f"[rank{rank}]: {what} (at {' <- '.join(reversed(ours))}) did not complete within --dist_timeout="
+              f"{timeout_s:g}s: another rank stopped answering (hung, stopped, crashed or out of memory); its own log "
+              "shows where. TORCH_DISTRIBUTED_DEBUG=DETAIL also names that rank.", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def cleanup_dist():
@@ -253,11 +293,12 @@ def lr_at(step: int, warmup: int, total: int, peak: float, min_ratio: float = 0.
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + np.cos(np.pi * progress)))
+    # a python float, not np.float64: param_groups keep it, and checkpoints load with weights_only=True
+    return float(peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + np.cos(np.pi * progress))))
 
 
 # -----------------------------------------------------------------------------
-# checkpoints
+# checkpoints and resume
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, others get {}
 
@@ -288,33 +329,60 @@ def _set_rng_state(state: dict):
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _gather_to_main(blob: bytes) -> list[bytes] | None:
+    """Every rank's bytes, in rank order, on rank 0 (None elsewhere)."""
+    if not is_dist():
+        return [blob]
+    out = [None] * tdist.get_world_size() if tdist.get_rank() == 0 else None
+    tdist.gather_object(blob, out, dst=0)
+    return out
+
+
+def _fault(point: str, step: int):
+    """Test hook, off unless the environment sets it: MINIGRPO_FAULT=after_tmp_write[@STEP] makes save_checkpoint
+    exit abruptly (os._exit, no cleanup, as under kill -9) once the checkpoint's files are written but not yet
+    published, so tests can check that a crash mid-save leaves the previous checkpoint the one a restart loads."""
+    want = os.environ.get("MINIGRPO_FAULT", "")
+    name, _, at = want.partition("@")
+    if name == point and (not at or int(at) == step):
+        print(f"MINIGRPO_FAULT={want}: exiting inside save_checkpoint of step {step}", file=sys.stderr, flush=True)
+        os._exit(86)
+
+
 def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | None, dist: Dist, *, optimizer=None,
-                    rank_state: dict | None = None, keep: int = 3) -> Path:
+                    rank_state: dict | None = None, keep: int = 3, config: dict | None = None) -> Path:
     """Write run_dir/step_{step:06d}/ atomically; every rank must call it (FSDP gathers the weights).
-    extra_state: dict shared by all ranks (data position, ...), saved by rank 0 in train_state.pt with `step`.
-    optimizer: gathered to a full state dict (correct for DDP and FSDP; prefer it to putting opt.state_dict() in
-    extra_state, which under FSDP would hold only rank 0's shard).
-    rank_state: this rank's own dict (e.g. sampler generator states), saved beside its global RNG states.
-    Everything is written into a temporary dir, fsynced, renamed into place; `latest` is updated last; then all but
-    the newest `keep` checkpoints are deleted. A crash at any instant leaves the previous checkpoint loadable."""
+    extra_state: dict shared by all ranks (data position, ...), saved in train_state.pt with `step`.
+    optimizer: gathered to a full state dict keyed by parameter name (correct for DDP and FSDP, loadable at any
+    world size; prefer it to putting opt.state_dict() in extra_state, which under FSDP would hold one shard).
+    rank_state: this rank's own dict (e.g. generator states), saved beside its global RNG states in rng_rank{r}.pt.
+    config: the run's resolved config, saved as run_config.json (what --resume checks a new run against).
+    Everything is gathered onto rank 0, which alone writes (no shared filesystem needed for saving): a temporary dir,
+    fsynced, renamed into place; `latest` is updated last; then all but the newest `keep` checkpoints are deleted.
+    A crash at any instant leaves the previous checkpoint loadable."""
     import model as model_lib
 
     run_dir = Path(run_dir)
     name = f"step_{step:06d}"
     final, tmp = run_dir / name, run_dir / f".tmp_{name}"
-    # collective first (every rank): the full optimizer state gathered onto rank 0
+    # collectives first (every rank): the full optimizer state and every rank's RNG states, gathered onto rank 0
     optim_sd = get_optimizer_state_dict(model, optimizer, options=_FULL) if optimizer is not None else None
+    # (serialized here: gather_object's own pickling of tensors fails in torch 2.13; rank 0 writes the bytes as is)
+    buf = io.BytesIO()
+    torch.save({"rng": _rng_state(), **(rank_state or {})}, buf)
+    rank_states = _gather_to_main(buf.getvalue())
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier()
     model_lib.save_model(model, tmp, tokenizer)  # every rank: FSDP gathers each tensor; rank 0 writes
-    torch.save({"rng": _rng_state(), **(rank_state or {})}, tmp / f"rng_rank{dist.rank}.pt")
     if dist.is_main:
+        for r, blob in enumerate(rank_states):
+            (tmp / f"rng_rank{r}.pt").write_bytes(blob)
+        if config is not None:
+            (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         torch.save({"step": step, "world_size": dist.world_size, "optimizer": optim_sd, **(extra_state or {})},
                    tmp / "train_state.pt")
-    barrier()  # every rank's file is written before rank 0 publishes the directory
-    if dist.is_main:
+        _fault("after_tmp_write", step)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -324,18 +392,30 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
             final.rename(old)
         tmp.rename(final)
         _fsync_dir(run_dir)
-        with open(run_dir / "latest.tmp", "w") as fh:  # the pointer: tmp + fsync + rename, last of all
-            fh.write(name + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(run_dir / "latest.tmp", run_dir / "latest")
-        _fsync_dir(run_dir)
+        _write_latest(run_dir, name)
         shutil.rmtree(old, ignore_errors=True)
         for stale in sorted(run_dir.glob("step_*"))[:-keep] if keep > 0 else []:
             if stale.name != name:
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove_dir(stale)
     barrier()
     return final
+
+
+def _write_latest(run_dir: Path, name: str):
+    """The pointer: tmp file + fsync + rename, so it always names a complete checkpoint."""
+    with open(run_dir / "latest.tmp", "w") as fh:
+        fh.write(name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(run_dir / "latest.tmp", run_dir / "latest")
+    _fsync_dir(run_dir)
+
+
+def _remove_dir(path: Path):
+    """Rename, then delete: a crash midway leaves a .del_* dir, never a step_* dir with files missing."""
+    doomed = path.with_name(f".del_{path.name}")
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def publish_model(ckpt_dir, dst):
@@ -346,7 +426,8 @@ def publish_model(ckpt_dir, dst):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in ckpt_dir.iterdir():
-        if f.is_file() and f.suffix != ".pt":  # train_state.pt / rng_rank*.pt are training state, not the model
+        # train_state.pt / rng_rank*.pt / run_config.json are training state, not the model
+        if f.is_file() and f.suffix != ".pt" and f.name != "run_config.json":
             try:
                 os.link(f, tmp / f.name)
             except OSError:
@@ -379,7 +460,8 @@ def resolve_model_dir(path) -> Path:
 
 def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dict, dict]:
     """Load weights (+ optimizer state) into the (possibly wrapped) model and restore this rank's RNG states.
-    Returns (train_state, rank_state). Loading never unpickles code (safetensors + weights_only=True)."""
+    Returns (train_state, rank_state). Loading never unpickles code (safetensors + weights_only=True).
+    A rank the checkpoint has no RNG file for (it was saved by fewer ranks) keeps its seeded RNG states."""
     import model as model_lib
 
     ckpt_dir = Path(ckpt_dir)
@@ -394,3 +476,146 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
         rank_state = torch.load(rng_file, weights_only=True)
         _set_rng_state(rank_state.pop("rng"))
     return train_state, rank_state
+
+
+def _has_run(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return (out / "latest").exists() or any(out.glob("step_*")) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) and isinstance(b, str) and ("/" in a or "/" in b):  # paths: runs/x/ == runs/x
+        return os.path.normpath(a) == os.path.normpath(b)
+    return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
+
+
+def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
+    """The checkpoint this run continues from, per cfg.resume; checked before anything is loaded or written.
+      auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
+      none: None; refuses an out_dir that already holds a run (checkpoints or metrics) unless cfg.overwrite.
+      PATH: that checkpoint dir, or the newest checkpoint of that run dir.
+    cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
+    A checkpoint written by a run whose config differs in a `must_match` field (model, data, batch shape: what
+    makes continuing it meaningless) is refused with every difference listed; other changes are printed."""
+    out = Path(cfg.out_dir)
+    if cfg.overwrite and cfg.resume not in ("auto", "none"):
+        raise SystemExit(f"error: --overwrite starts over in --out_dir {out}; it cannot go with --resume {cfg.resume}")
+    if cfg.resume == "none" or cfg.overwrite:
+        if _has_run(out) and not cfg.overwrite:
+            raise SystemExit(f"error: --out_dir {out} already holds a run (checkpoints or metrics.jsonl): continue it "
+                             "with --resume auto, or delete it and start over with --overwrite")
+        return None
+    if cfg.resume == "auto":
+        ckpt = find_latest(out) if out.is_dir() else None
+        if ckpt is None:
+            return None
+    else:
+        path = Path(cfg.resume)
+        if not path.is_dir():
+            raise SystemExit(f"error: --resume {path}: no such checkpoint or run directory")
+        ckpt = path if (path / "train_state.pt").is_file() else find_latest(path)
+        if ckpt is None:
+            raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no train_state.pt) nor a run "
+                             "directory holding one")
+    saved_file = ckpt / "run_config.json" if (ckpt / "run_config.json").is_file() else ckpt.parent / "config.json"
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
+    now = dataclasses.asdict(cfg)
+    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
+    diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in must_match]
+    if diffs:
+        raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
+                         f"{'; '.join(diffs)}. Use the old values, or start a new run (another --out_dir, or "
+                         "--overwrite)")
+    if changed:
+        print0(f"resuming with changed flags: {', '.join(f'--{k} {saved[k]} -> {now[k]}' for k in changed)}")
+    return ckpt
+
+
+def truncate_jsonl(path, step: int):
+    """Keep the rows of a per-step JSONL log with row["step"] <= step, byte for byte, and drop a torn last line
+    (a crash mid-write), so a resumed run's log reads as one uninterrupted run. Atomic (tmp file + rename)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            keep.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
+def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
+                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
+    """Load the checkpoint resume_point chose (weights, optimizer, this rank's RNG states) or start fresh, then
+    ready cfg.out_dir (rank 0): delete the old run (--overwrite) and leftovers of interrupted saves, cut the logs back
+    to the resumed step, drop checkpoints newer than it (an abandoned future), write config.json.
+    Returns the train state: {"step": 0} when fresh, else what save_checkpoint stored (step, data position, ...)."""
+    out = Path(cfg.out_dir)
+    state = {"step": 0}
+    if ckpt is not None:
+        try:
+            state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
+        except (OSError, ValueError, RuntimeError, EOFError) as e:
+            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {e}") from None
+        saved_world = state.get("world_size", dist.world_size)
+        print0(f"resuming from {ckpt} at step {state['step']}"
+               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: same data and model, but sums run in "
+                  "another order, so the continuation matches only to rounding)" if saved_world != dist.world_size
+                  else ""))  # fmt: skip
+        if state.get("stopped"):
+            print0(f"{ckpt} is where its run stopped early (--stop_pass1 / --max_minutes): nothing left to train "
+                   "(--overwrite starts over)")
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
+        if cfg.overwrite:
+            doomed += [d for d in out.glob("step_*")] + [out / "model"]
+            for f in ("latest", "config.json", *logs):
+                (out / f).unlink(missing_ok=True)
+            print0(f"--overwrite: deleted the previous run in {out}")
+        newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
+        if newer:
+            print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")
+        for d in doomed + newer:
+            shutil.rmtree(d, ignore_errors=True)
+        if ckpt is not None and ckpt.parent.resolve() == out.resolve():
+            _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
+        for f in logs:
+            truncate_jsonl(out / f, state["step"])
+        save_json(out / "config.json", dataclasses.asdict(cfg))
+    barrier()
+    return state
+
+
+def check_finite(step: int, grad_norm, out_dir) -> None:
+    """Stop the run at a non-finite loss/gradient, before the optimizer step writes NaN into the weights: nothing of
+    this step is saved, and the newest checkpoint stays the one a restart continues from. (grad_norm is the global
+    norm, the same on every rank, so every rank stops together.)"""
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    if torch.isfinite(grad_norm):
+        return
+    ckpt = find_latest(out_dir)
+    where = f"the newest checkpoint, {ckpt}, is intact" if ckpt else "no checkpoint was written"
+    raise SystemExit(f"error: step {step}: the loss or its gradient is not finite (grad norm {grad_norm.item()}); "
+                     f"stopped before the update, nothing of this step was saved and {where}. Lower --lr (or check "
+                     "the data) and restart")
+
+
+@contextmanager
+def user_input(what: str):
+    """Bad input a user gave (a missing path, a model dir without weights, a truncated safetensors file, a malformed
+    data row) becomes one line, `error: WHAT: reason`, and exit status 1, not a traceback from inside a library. The
+    loaders (model.py, data.py) raise ValueError / OSError / RuntimeError with messages naming the file and row."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {what}: {e}") from None

@@ -11,6 +11,13 @@ One step, top to bottom (follow a batch through `main`):
 Launch:
   python grpo.py --init runs/sft/model                      # one process
   torchrun --nproc_per_node=2 grpo.py --init runs/sft/model # data parallel (DDP; --dist fsdp for FSDP2)
+  torchrun --max-restarts=3 --nproc_per_node=2 grpo.py ...   # a dead worker restarts the group, which resumes
+
+Resume: run the same command again and it continues from the newest complete checkpoint in --out_dir (--resume auto,
+the default; --resume PATH: a given checkpoint; --overwrite: start over). Step s's prompts and sampler generators are
+derived from (seed, step, prompt index), and a checkpoint holds weights, full optimizer state, every rank's RNG states
+and the training clock, so the continuation is bitwise the uninterrupted run; metrics/samples.jsonl are cut back to
+the checkpoint's step first.
 
 Simplifications, stated up front:
   - one rollout -> mu policy updates (default 1: the ratio is exactly 1 and no old-log-prob forward is needed);
@@ -31,14 +38,18 @@ import rewards
 from common import (
     JsonlLogger,
     all_reduce_sum,
+    check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
     make_generator,
     parse_config,
     print0,
+    resume_point,
     save_checkpoint,
     seed_all,
+    start_or_resume,
+    user_input,
     wrap_model,
 )
 from data import format_prompt, load_task, parse_knobs
@@ -97,6 +108,15 @@ class GRPOConfig:
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
     log_samples: int = field(default=2, metadata={"help": "completions per step written to samples.jsonl"})
+    resume: str = field(default="auto", metadata={"help": "auto: continue from the newest checkpoint in --out_dir "
+                                                          "(if any) | none: start fresh | PATH: that checkpoint"})
+    overwrite: bool = field(default=False, metadata={"help": "start over, deleting the run already in --out_dir"})
+
+
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape):
+# --resume refuses a checkpoint that differs in these; other flags (lr, steps, loss, dist, world size, ...) may change
+RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
+                     "group_size", "seed", "dtype")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,15 +206,20 @@ def main(argv=None):
     seed_all(cfg.seed, d.rank)
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
     if P % W:
-        raise SystemExit(f"--prompts_per_step={P} is not divisible by the world size {W}")
+        raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
     if G < 2 and cfg.scale_rewards == "group":
-        raise SystemExit("--group_size 1 with --scale_rewards group: the std of one reward is undefined; use G >= 2")
+        raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
+                         "G >= 2 (or --scale_rewards none)")
+    if not 0 < cfg.lr < math.inf:
+        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
     weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
-    tok = load_tokenizer(cfg.init)
-    model = load_model(cfg.init, device=d.device, dtype=dtype)
+    with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
+        model = load_model(cfg.init, device=d.device, dtype=dtype)
+        tok = load_tokenizer(cfg.init)
     max_pos = model.config.max_position_embeddings
     eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
@@ -207,25 +232,26 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
 
     # --- data: prompts are tokenized once ------------------------------------------------------------------------
-    knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
-    rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
+        knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
+        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
     prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
     prompt_ids = [tok.encode(t) for t in prompt_text]
     if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
-        raise SystemExit(f"longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
+        raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={max_pos}: lower --max_new_tokens")
     order = _permutation_stream(len(rows), cfg.seed)  # global prompt order: epoch after epoch, seeded
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; write config.json
+    state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
-    if d.is_main:
-        _write_json(os.path.join(cfg.out_dir, "config.json"), asdict(cfg))
     print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), loss={cfg.loss}")
 
-    t_train = 0.0  # training wall time (eval excluded), for --max_minutes
-    for step in range(1, cfg.steps + 1):
+    t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
+    first = cfg.steps + 1 if state.get("stopped") else state["step"] + 1  # an early-stopped run stays stopped
+    for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
@@ -314,8 +340,7 @@ def main(argv=None):
                     for key in ("clip_low", "clip_high", "kl"):
                         acc[key] += (st[key] * m).sum().item() if key in st else 0.0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise SystemExit(f"step {step}: non-finite grad norm {grad_norm.item()}; stopping before the update")
+            check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
             opt.step()
             opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -327,7 +352,8 @@ def main(argv=None):
             [len(scores), r.sum().item(), (r**2).sum().item(), zero_std.view(-1, G)[:, 0].sum().item(), r.shape[0],
              sum(n_comp), trunc.sum().item(), acc["ntok"], acc["entropy"], acc["gap"], acc["clip_low"],
              acc["clip_high"], acc["kl"]] + [sum(s[c] for s in scores) for c in comps], d)  # fmt: skip
-        len_max = all_reduce_sum([max(n_comp)], d, op="max")[0]
+        # the slowest rank sets the pace: max over ranks for lengths, generation time and memory
+        len_max, t_gen, mem = all_reduce_sum([max(n_comp), t1 - t0, _peak_mem_mb(d.device)], d, op="max")
         n, nt = sums[0], max(sums[7], 1)
         mean_r = sums[1] / n
         metrics = {
@@ -335,8 +361,8 @@ def main(argv=None):
             **{c: sums[13 + j] / n for j, c in enumerate(comps)},
             "frac_zero_std": sums[3] / sums[4], "clip_low": sums[10] / nt, "clip_high": sums[11] / nt,
             "kl": sums[12] / nt, "entropy": sums[8] / nt, "len_mean": sums[5] / n, "len_max": len_max,
-            "truncated": sums[6] / n, "logprob_gap": sums[9] / nt, "t_generate": t1 - t0, "t_score": t2 - t1,
-            "t_train": t3 - t2, "tokens_per_s": sums[5] / (t3 - t0), "mem_peak_mb": _peak_mem_mb(d.device),
+            "truncated": sums[6] / n, "logprob_gap": sums[9] / nt, "t_generate": t_gen, "t_score": t2 - t1,
+            "t_train": t3 - t2, "tokens_per_s": sums[5] / (t3 - t0), "mem_peak_mb": mem,
             "lr": lr, "grad_norm": grad_norm.item(), "elapsed_s": t_train,
         }  # fmt: skip
         for i in range(min(cfg.log_samples, len(texts))):
@@ -354,7 +380,9 @@ def main(argv=None):
             + (f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else "")
         )
         if done or (cfg.save_every and step % cfg.save_every == 0):
-            save_checkpoint(cfg.out_dir, step, model, tok, {"t_train": t_train}, d, optimizer=opt, keep=cfg.keep)
+            train_state = {"t_train": t_train, "stopped": done and step < cfg.steps}
+            save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
+                            config=asdict(cfg))
         if done:
             break
     cleanup_dist()
@@ -414,13 +442,6 @@ def _peak_mem_mb(device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _write_json(path, obj):
-    import json
-
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -147,13 +147,17 @@ class KVCache:
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # forward writes through per-layer views: torch.compile updates those in place (a slice of the 5-d
+        # tensor itself it would copy whole, every step)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
+        self.max_len = max_len
         self.length = 0  # slots filled; a forward writes the next T slots, then advances it
 
     def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, length + T, kv_heads, D)
-        end = self.length + k.shape[1]
-        self.k[layer, :, self.length:end] = k
-        self.v[layer, :, self.length:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        T, end = k.shape[1], self.length + k.shape[1]
+        self.k_layers[layer].narrow(1, self.length, T).copy_(k)
+        self.v_layers[layer].narrow(1, self.length, T).copy_(v)
+        return self.k_layers[layer][:, :end], self.v_layers[layer][:, :end]
 
 
 class Attention(nn.Module):
@@ -243,8 +247,8 @@ class Transformer(nn.Module):
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        if cache is not None and start + T > cache.k.shape[2]:
-            raise ValueError(f"KVCache holds {cache.k.shape[2]} slots, {start + T} needed")
+        if cache is not None and start + T > cache.max_len:
+            raise ValueError(f"KVCache holds {cache.max_len} slots, {start + T} needed")
         if self.inv_freq.device != tokens.device:
             self.inv_freq = self.inv_freq.to(tokens.device)
         if input_pos is None:
@@ -262,7 +266,7 @@ class Transformer(nn.Module):
                 keep = keep & attn_mask[:, None, None, : start + T]  # (B, 1, T, S)
             keep = keep | (k_slot == q_slot)  # a padding query sees itself: no all-masked row, no NaN
             # additive float mask, made once for all layers: SDPA on CPU converts a bool one per call, slowly
-            mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(~keep, float("-inf"))
+            mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:

@@ -46,7 +46,12 @@ def sample(logits, temperature, top_k, top_p, generator):
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     logp = logits.log_softmax(-1)  # (N, V)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator)  # (N, 1)
+    # inverse-CDF draw, one uniform per row (multinomial draws N * V on CPU). u < total strictly, so the token
+    # found, the first whose cumulative mass exceeds u, always has probability > 0
+    cdf = logp.exp().cumsum(-1)  # (N, V)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=total.device) * total
+    tok = torch.searchsorted(cdf, torch.minimum(u, total.nextafter(torch.zeros_like(total))), right=True)  # (N, 1)
     return tok.squeeze(-1), logp.gather(-1, tok).squeeze(-1)
 
 
@@ -71,7 +76,9 @@ def gathered(model):
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
              top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, compile=False) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
-    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model."""
+    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model.
+    compile=True runs the decode step through torch.compile (dynamic shapes, one graph for every step): the
+    first call compiles for tens of seconds; it pays off for long or repeated generations."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config

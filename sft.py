@@ -25,8 +25,14 @@ Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (
 state), latest, and model/ (the final HF model dir: config.json, model.safetensors, tokenizer files; loadable by
 transformers.AutoModelForCausalLM, eval.py and grpo.py).
 
-Simplifications: no sequence packing (each micro-batch pads to its longest row); no resume yet (checkpoints already
-hold what resume needs); the loss is a plain token mean over the global batch (long solutions weigh more).
+Resume: a killed run continues where it stopped when started again with the same command (--resume auto, the
+default, takes the newest complete checkpoint in --out_dir; --resume PATH a given one; --overwrite starts over).
+Step s's data, LR and RNG draws are functions of s, and a checkpoint holds weights, full optimizer state and every
+rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/test_resume.py); metrics.jsonl is cut
+back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes.
+
+Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
+the global batch (long solutions weigh more).
 """
 
 import math
@@ -42,6 +48,7 @@ import model as model_lib
 from common import (
     JsonlLogger,
     all_reduce_sum,
+    check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -49,10 +56,12 @@ from common import (
     print0,
     publish_model,
     resolve_model_dir,
+    resume_point,
     save_checkpoint,
-    save_json,
     seed_all,
+    start_or_resume,
     unwrap_model,
+    user_input,
     wrap_model,
 )
 from data import format_prompt, load_task, parse_knobs, sft_target
@@ -65,6 +74,7 @@ class SFTConfig:
     # model
     init: str | None = field(default=None, metadata={"help": "HF model dir to start from (none: fresh --model preset)"})
     model: str = field(default="tiny", metadata={"help": "preset for a fresh model with the char tokenizer"})
+    model_overrides: str = field(default="", metadata={"help": "preset changes, e.g. 'num_hidden_layers=6'"})
     # data
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="train[:10%]", metadata={"help": "training problems (with worked solutions)"})
@@ -95,6 +105,15 @@ class SFTConfig:
     out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
+    resume: str = field(default="auto", metadata={"help": "auto: continue from the newest checkpoint in --out_dir "
+                                                          "(if any) | none: start fresh | PATH: that checkpoint"})
+    overwrite: bool = field(default=False, metadata={"help": "start over, deleting the run already in --out_dir"})
+
+
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch): --resume
+# refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist, ...) may change
+RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
+                     "template", "global_batch", "seed")
 
 
 # -----------------------------------------------------------------------------
@@ -141,12 +160,17 @@ def main(argv=None):
     torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
     W = d.world_size
     if cfg.global_batch % W:
-        raise SystemExit(f"--global_batch {cfg.global_batch} is not divisible by the world size {W}")
+        raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
     if per_rank % cfg.micro_batch:
-        raise SystemExit(f"--global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
+        raise SystemExit(f"error: --global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
                          f"not divisible by --micro_batch {cfg.micro_batch}")
     accum = per_rank // cfg.micro_batch
+    if cfg.steps < 1:
+        raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
+    if not 0 < cfg.lr < math.inf:
+        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
     try:
@@ -154,27 +178,31 @@ def main(argv=None):
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(f"data: {e}") from None
+        raise SystemExit(f"error: data: {e}") from None
 
     # --- model and tokenizer: an HF dir, or a fresh preset with the char tokenizer ---------------------------------
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
     if cfg.init is not None:
         path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-            raise SystemExit(f"--init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
-        tok = model_lib.load_tokenizer(path)
-        model = model_lib.load_model(path, device=d.device)
+            raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
+        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
+            model = model_lib.load_model(path, device=d.device)
+            tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
         model = model_lib.Transformer(model_lib.preset_config(
             cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id)).to(d.device)  # fmt: skip
+            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
     seed_all(cfg.seed, d.rank)
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
     n_params = sum(p.numel() for p in model.parameters())
     model = wrap_model(model, cfg.dist, d)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
     examples = []
@@ -185,7 +213,7 @@ def main(argv=None):
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
     max_len = unwrap_model(model).config.max_position_embeddings
     if max(len(ids) for ids, _ in examples) > max_len:
-        raise SystemExit(f"the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
+        raise SystemExit(f"error: the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
                          f"max_position_embeddings {max_len}")
     perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
 
@@ -196,11 +224,8 @@ def main(argv=None):
         return int(perms[epoch][i % len(examples)])
 
     out = Path(cfg.out_dir)
-    if d.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "latest"):  # a fresh run: don't mix with an older run's files
-            (out / stale).unlink(missing_ok=True)
-        save_json(out / "config.json", asdict(cfg))
+    # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
+    state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(out / "metrics.jsonl", d.is_main)
     print0(f"SFT: {n_params / 1e6:.2f}M params, {len(examples)} examples ({cfg.task} {cfg.split}), global batch "
            f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
@@ -208,9 +233,10 @@ def main(argv=None):
     print0(f"config: {asdict(cfg)}")
 
     # --- training loop ---------------------------------------------------------------------------------------------
-    t_start, pass1, step = time.perf_counter(), None, 0
-    bar = tqdm(total=cfg.steps, disable=not d.is_main, desc="sft", dynamic_ncols=True)
-    for step in range(1, cfg.steps + 1):
+    t_start, pass1, step, ckpt = time.perf_counter() - state.get("elapsed_s", 0.0), None, state["step"], resume_from
+    first = cfg.steps + 1 if state.get("stopped") else step + 1  # an early-stopped run stays stopped
+    bar = tqdm(total=cfg.steps, initial=step, disable=not d.is_main, desc="sft", dynamic_ncols=True)
+    for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
@@ -230,8 +256,7 @@ def main(argv=None):
             n_in += int((inputs != pad_id).sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        if not torch.isfinite(grad_norm):
-            raise SystemExit(f"step {step}: non-finite grad norm ({grad_norm.item()}); stopping before the update")
+        check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, nothing of this step saved
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_sum, n_in = all_reduce_sum([loss_sum, n_in], d)
@@ -253,8 +278,9 @@ def main(argv=None):
         if stop:
             print0(f"\nstep {step}: held-out pass@1 {pass1:.3f} >= --stop_pass1 {cfg.stop_pass1}: stopping")
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            ckpt = save_checkpoint(out, step, model, tok, {"data_position": step * cfg.global_batch}, d, optimizer=opt,
-                                   keep=cfg.keep)  # fmt: skip
+            train_state = {"data_position": step * cfg.global_batch, "elapsed_s": metrics["elapsed_s"], "stopped": stop}
+            ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
+                                   config=asdict(cfg))
         if stop:
             break
     bar.close()

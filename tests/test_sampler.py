@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model import ModelConfig, Transformer, save_model
-from sampler import generate
+from sampler import generate, sample
 
 V = 53
 PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [4, 1], [12, 30, 6, 6, 40], [17]]  # ragged on purpose
@@ -111,6 +111,15 @@ def test_logprobs_match_teacher_forcing(temperature, top_k, top_p):
         assert (out.logprobs[i, :n] - want).abs().max() <= 1e-4
 
 
+def test_sample_draws_from_the_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -9.0]]).expand(40000, 6)
+    tok, logp = sample(logits, 0.8, 4, 0.9, torch.Generator().manual_seed(0))
+    want = reference_logp(logits[:1], 0.8, 4, 0.9)[0].exp()  # top-4, then top-0.9 of those: 3 tokens left
+    freq = torch.bincount(tok, minlength=6) / len(tok)
+    assert (freq - want).abs().max() < 0.01 and (freq[want == 0] == 0).all()
+    assert torch.allclose(logp, want.log()[tok])
+
+
 def test_cache_copies_equal_independent_prefills():
     model = tiny_model()
     together = generate(model, PROMPTS, 10, num_samples=3, temperature=0)
@@ -136,7 +145,7 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-from sampler import generate
+from sampler import generate, sample
 from test_sampler import PROMPTS, tiny_model
 
 dist.init_process_group("gloo")

@@ -72,6 +72,13 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
     dev = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
+    if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store for all restarts, and the restarted group can read the dead group's addresses
+        # and hang in init_process_group (pytorch/pytorch#135712; seen on torch 2.13 + gloo)
+        print(f"warning: torchrun --max-restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} with torchrun's shared "
+              "TCP store: a restarted group can hang at start; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "(run_multinode.sh sets it)", file=sys.stderr, flush=True)  # fmt: skip
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                  device_id=dev if use_cuda else None)
@@ -198,7 +205,7 @@ def parse_config(cls, argv: list[str] | None = None):
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = dict(type=_flag_type(tp), default=default, help=f.metadata.get("help", " "),
+        kw = dict(type=_flag_type(tp), default=default, help=f.metadata.get("help", " ").replace("%", "%%"),
                   choices=f.metadata.get("choices"))
         if tp is bool:
             kw.update(nargs="?", const=True, metavar="true|false")
@@ -508,6 +515,8 @@ def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
     if cfg.resume == "auto":
         ckpt = find_latest(out) if out.is_dir() else None
         if ckpt is None:
+            if _has_run(out):  # killed before its first checkpoint: nothing to continue from
+                print0(f"{out}: no complete checkpoint to resume from; starting from step 0")
             return None
     else:
         path = Path(cfg.resume)
@@ -565,7 +574,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         try:
             state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
         except (OSError, ValueError, RuntimeError, EOFError) as e:
-            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {e}") from None
+            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {' '.join(str(e).split())}") from None
         saved_world = state.get("world_size", dist.world_size)
         print0(f"resuming from {ckpt} at step {state['step']}"
                + (f" (saved by {saved_world} rank(s), now {dist.world_size}: same data and model, but sums run in "
@@ -618,4 +627,4 @@ def user_input(what: str):
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: {what}: {e}") from None
+        raise SystemExit(f"error: {what}: {' '.join(str(e).split())}") from None  # one line, even if e spans several

@@ -11,7 +11,8 @@ One step, top to bottom (follow a batch through `main`):
 Launch:
   python grpo.py --init runs/sft/model                      # one process
   torchrun --nproc_per_node=2 grpo.py --init runs/sft/model # data parallel (DDP; --dist fsdp for FSDP2)
-  torchrun --max-restarts=3 --nproc_per_node=2 grpo.py ...   # a dead worker restarts the group, which resumes
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts=3 --nproc_per_node=2 grpo.py ...
+                                                            # a dead worker restarts the group, which resumes
 
 Resume: run the same command again and it continues from the newest complete checkpoint in --out_dir (--resume auto,
 the default; --resume PATH: a given checkpoint; --overwrite: start over). Step s's prompts and sampler generators are

@@ -326,7 +326,8 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
         if state[k].shape != v.shape:
             raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, config.json implies "
                              f"{tuple(v.shape)}; the config does not belong to these weights")
-    model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True, assign=True)
+    # copy=True: safetensors' tensors map the file; a tool rewriting it in place would change or crash the model
+    model.load_state_dict({k: v.to(device, dtype, copy=True) for k, v in state.items()}, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # assign=True made two parameters; re-tie them
     return model
@@ -357,6 +358,9 @@ def load_tokenizer(path):
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{path}: no such tokenizer directory")
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        # (transformers' own message for this case is five generic lines that do not name the directory)
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) in it")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

@@ -18,22 +18,27 @@
 #   RDZV_TIMEOUT    [900]  seconds the nodes wait for each other at the start before failing
 #   DIST_TIMEOUT    [600]  seconds before a collective that some rank never joins fails (the scripts' --dist_timeout;
 #                          a --dist_timeout among your flags wins). Raise it if one step's generation takes longer.
-#   MAX_RESTARTS    [0]    torchrun restarts of all workers after a failure. Until the scripts resume from their
-#                          latest checkpoint, a restart starts the run over, so it is off by default.
+#   MAX_RESTARTS    [3]    times torchrun restarts all workers (on every node) after one fails. sft.py and grpo.py
+#                          resume from the newest checkpoint in --out_dir by themselves (--resume auto), so a
+#                          restarted run continues, bitwise as if never interrupted; it loses the steps since the
+#                          last checkpoint (--save_every). A config error is retried too (it fails K+1 times, fast).
 #   LOG_DIR         [unset] also keep each rank's stdout/stderr in files under this directory (torchrun --log-dir)
 #
 # Console lines are prefixed with the node and the global rank: "[node1 rank9]: ..." (under SLURM: "1: [rank9]: ...",
 # the node index from srun --label). Only global rank 0 prints progress; any rank prints its own errors.
 #
 # Assumptions: every node sees the repo, the model, the data and --out_dir at the same paths (a shared filesystem).
-# Only global rank 0 writes metrics, config.json, samples and model files, but every rank writes its RNG state into
-# the checkpoint directory that rank 0 creates, and every rank reads --init / --model. Global ranks are assigned by
+# Only global rank 0 writes (metrics, config.json, samples, checkpoints: the other ranks' RNG states are gathered to
+# it), but every rank reads --init / --model and, on resume, the checkpoint. Global ranks are assigned by
 # the rendezvous (nodes sorted by host name), so global rank 0 need not be on NODE_RANK 0. For gsm8k/math, pass
 # --data_path to a local file: hub downloads from every rank at once are slow and race in a shared cache.
 #
-# When a rank crashes or stops answering, the other ranks fail within DIST_TIMEOUT and their nodes exit. Under SLURM,
+# When a rank crashes or stops answering, the other ranks fail within DIST_TIMEOUT; torchrun then restarts the workers
+# of every node from the last checkpoint, up to MAX_RESTARTS times, and after that the nodes exit. Under SLURM,
 # srun --kill-on-bad-exit then ends the remaining nodes; on plain hosts, a node whose own rank is stuck outside any
-# collective (so nothing times out there) stays up until you stop it (Ctrl-C).
+# collective (so nothing times out there) stays up until you stop it (Ctrl-C). A node that is gone for good (the
+# host died) is not replaced: the others wait RDZV_TIMEOUT for it at the restart, then fail; resubmit the job and
+# it continues from the last checkpoint.
 #
 # Batch size does not change with the node count: --prompts_per_step (grpo.py), --global_batch (sft.py) are global
 # and split over NNODES x NPROC_PER_NODE ranks (they must divide evenly). 2 nodes x 8 GPUs with --prompts_per_step 64
@@ -78,7 +83,10 @@ if ! command -v torchrun >/dev/null; then
 fi
 
 export PYTHONUNBUFFERED=1  # workers' output reaches the console line by line, not when a buffer fills
-MAX_RESTARTS=${MAX_RESTARTS:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+# A fresh rendezvous store for every restart: with torchrun's default (one store shared by all restarts) a restarted
+# group can read the dead group's addresses and hang in init_process_group (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 DIST_TIMEOUT=${DIST_TIMEOUT:-600}
 NPROC_PER_NODE=${NPROC_PER_NODE:-gpu}

@@ -29,7 +29,8 @@ Resume: a killed run continues where it stopped when started again with the same
 default, takes the newest complete checkpoint in --out_dir; --resume PATH a given one; --overwrite starts over).
 Step s's data, LR and RNG draws are functions of s, and a checkpoint holds weights, full optimizer state and every
 rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/test_resume.py); metrics.jsonl is cut
-back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes.
+back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes
+(launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
 
 Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
 the global batch (long solutions weigh more).
@@ -215,6 +216,11 @@ def main(argv=None):
     if max(len(ids) for ids, _ in examples) > max_len:
         raise SystemExit(f"error: the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
                          f"max_position_embeddings {max_len}")
+    longest_eval = max(len(tok.encode(format_prompt(r["question"], cfg.template, tok)[0])) for r in eval_rows)
+    if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
+        raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + --max_new_tokens="
+                         f"{cfg.max_new_tokens} exceeds the model's max_position_embeddings={max_len}: lower "
+                         "--max_new_tokens")
     perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
 
     def item(i: int) -> int:

@@ -577,9 +577,8 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
             raise SystemExit(f"error: cannot load checkpoint {ckpt}: {' '.join(str(e).split())}") from None
         saved_world = state.get("world_size", dist.world_size)
         print0(f"resuming from {ckpt} at step {state['step']}"
-               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: same data and model, but sums run in "
-                  "another order, so the continuation matches only to rounding)" if saved_world != dist.world_size
-                  else ""))  # fmt: skip
+               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
+                  "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
         if state.get("stopped"):
             print0(f"{ckpt} is where its run stopped early (--stop_pass1 / --max_minutes): nothing left to train "
                    "(--overwrite starts over)")
@@ -587,10 +586,11 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         out.mkdir(parents=True, exist_ok=True)
         doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
         if cfg.overwrite:
-            doomed += [d for d in out.glob("step_*")] + [out / "model"]
+            if _has_run(out):
+                print0(f"--overwrite: deleting the previous run in {out}")
+            doomed += [*out.glob("step_*"), out / "model"]
             for f in ("latest", "config.json", *logs):
                 (out / f).unlink(missing_ok=True)
-            print0(f"--overwrite: deleted the previous run in {out}")
         newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
         if newer:
             print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")

@@ -100,6 +100,7 @@ class SFTConfig:
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
     max_new_tokens: int = field(default=64, metadata={"help": "completion length limit in the in-loop eval"})
     stop_pass1: float = field(default=0.0, metadata={"help": "stop once held-out pass@1 >= this (0 = run --steps)"})
+    stop_patience: int = field(default=2, metadata={"help": "... in this many consecutive evals (filters lucky ones)"})
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
@@ -240,6 +241,7 @@ def main(argv=None):
 
     # --- training loop ---------------------------------------------------------------------------------------------
     t_start, pass1, step, ckpt = time.perf_counter() - state.get("elapsed_s", 0.0), None, state["step"], resume_from
+    history = list(state.get("eval_history", []))  # held-out pass@1 of every eval so far (for --stop_patience)
     first = cfg.steps + 1 if state.get("stopped") else step + 1  # an early-stopped run stays stopped
     bar = tqdm(total=cfg.steps, initial=step, disable=not d.is_main, desc="sft", dynamic_ncols=True)
     for step in range(first, cfg.steps + 1):
@@ -277,14 +279,18 @@ def main(argv=None):
                                   dist=d, seed=cfg.seed)  # fmt: skip
             pass1 = summary["pass@1"]
             metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
-            stop = 0 < cfg.stop_pass1 <= pass1
+            history.append(pass1)
+            recent = history[-cfg.stop_patience :]
+            stop = cfg.stop_pass1 > 0 and len(recent) == cfg.stop_patience and min(recent) >= cfg.stop_pass1
         log.write(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.1e}", pass1="-" if pass1 is None else f"{pass1:.3f}")
         if stop:
-            print0(f"\nstep {step}: held-out pass@1 {pass1:.3f} >= --stop_pass1 {cfg.stop_pass1}: stopping")
+            print0(f"\nstep {step}: held-out pass@1 {recent} >= --stop_pass1 {cfg.stop_pass1} in {len(recent)} "
+                   "consecutive evals: stopping")
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {"data_position": step * cfg.global_batch, "elapsed_s": metrics["elapsed_s"], "stopped": stop}
+            train_state = {"data_position": step * cfg.global_batch, "elapsed_s": metrics["elapsed_s"], "stopped": stop,
+                           "eval_history": history}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                                    config=asdict(cfg))
         if stop:

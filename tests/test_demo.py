@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_in_miniature(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
-    path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python` = this interpreter, as in a venv
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python` = this interpreter
     env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs",
            "SFT_FLAGS": "--steps 12 --eval_every 0 --global_batch 8 --micro_batch 8",
            "GRPO_FLAGS": "--steps 2 --prompts_per_step 2 --group_size 4 --eval_every 0",

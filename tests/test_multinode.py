@@ -66,11 +66,32 @@ def _start(cmd, tmp: Path, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (torchrun starts its workers in sessions of their own, out of killpg's reach)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _stop(procs):
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGCONT)  # a stopped worker must run to act on the kill
-            os.killpg(p.pid, signal.SIGKILL)
+            for pid in [p.pid, *_descendants(p.pid)]:
+                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker must run to act on the kill
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
         p.communicate()
 
 
@@ -167,7 +188,8 @@ def test_stopped_rank_fails_within_dist_timeout(tiny_dir, tmp_path):
     port = _free_port()
     run_id, out = f"t{port}", tmp_path / "run"
     nodes = [_start([str(SCRIPT)] + _grpo(tiny_dir, out, steps=100_000), tmp_path,
-                    **_script_env(r, port, run_id, tmp_path, DIST_TIMEOUT="4")) for r in (0, 1)]  # fmt: skip
+                    **_script_env(r, port, run_id, tmp_path, DIST_TIMEOUT="4", MAX_RESTARTS="0"))
+             for r in (0, 1)]  # fmt: skip
     try:
         deadline = time.monotonic() + 120  # training is under way once step 1 is logged
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size):
@@ -210,7 +232,7 @@ def test_slurm_mode_command(tmp_path):
     args = r.stdout.splitlines()  # srun's arguments, one a line
     for a in ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16", "torchrun",
               "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-a17:21234", "--rdzv-id=1234",
-              "--max-restarts=0", "grpo.py", "--dist_timeout=600", "steps=2, high=99"]:  # fmt: skip
+              "--max-restarts=3", "grpo.py", "--dist_timeout=600", "steps=2, high=99"]:  # fmt: skip
         assert a in args, (a, args)
     assert args[-2:] == ["--dist_timeout", "60"]  # the user's flag comes last, so it wins over DIST_TIMEOUT
 

@@ -75,7 +75,8 @@ class SFTConfig:
     # model
     init: str | None = field(default=None, metadata={"help": "HF model dir to start from (none: fresh --model preset)"})
     model: str = field(default="tiny", metadata={"help": "preset for a fresh model with the char tokenizer"})
-    model_overrides: str = field(default="", metadata={"help": "preset changes, e.g. 'num_hidden_layers=6'"})
+    model_overrides: str = field(default="hidden_size=96,intermediate_size=288,num_hidden_layers=2",
+                                 metadata={"help": "changes to the preset ('' = the preset as is)"})
     # data
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="train[:10%]", metadata={"help": "training problems (with worked solutions)"})
@@ -90,7 +91,7 @@ class SFTConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     warmup: int = field(default=50, metadata={"help": "linear warmup steps"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor at --steps, as a fraction of --lr"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
@@ -99,7 +100,7 @@ class SFTConfig:
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
     max_new_tokens: int = field(default=64, metadata={"help": "completion length limit in the in-loop eval"})
-    stop_pass1: float = field(default=0.0, metadata={"help": "stop once held-out pass@1 >= this (0 = run --steps)"})
+    stop_pass1: float = field(default=0.12, metadata={"help": "stop once held-out pass@1 >= this (0 = run --steps)"})
     stop_patience: int = field(default=2, metadata={"help": "... in this many consecutive evals (filters lucky ones)"})
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})

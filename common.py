@@ -114,6 +114,7 @@ def _explain_collective_timeouts(rank: int, timeout_s: float):
 
 def cleanup_dist():
     if tdist.is_initialized():
+        tdist.barrier()  # every rank done with the group (rank 0 may still be writing): a lone destroy can abort gloo
         tdist.destroy_process_group()
 
 

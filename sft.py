@@ -19,11 +19,11 @@ and N processes compute the same step (tests/test_sft.py checks it for DDP and F
 Stopping: --steps is an upper bound (and the end of the cosine schedule). With --stop_pass1 p the run stops once
 --stop_patience consecutive held-out evaluations (every --eval_every steps: greedy pass@1 on --eval_split, test
 problems that are never trained on, and disjoint from eval.py's default test[:400]) all reach p; one lucky eval is
-not enough. For the char-level demo this is what lands the model reliably where RL can start (format ~100%, greedy
-pass@1 ~15-25%): accuracy rises as a sharp jump whose position varies by 500+ steps between seeds, so no fixed step
-count does. The demo model is the tiny preset cut to 2 layers of width 96 (~0.23M parameters, --model_overrides):
-it learns as fast per step as the 0.8M preset at less than half the cost; weight decay 0.1 brings the jump
-earlier.
+not enough. For the char-level demo this is what lands the model reliably where RL can start (seeds 0, 1, 2: format
+>= 99%, greedy pass@1 0.24 / 0.11 / 0.185 on test[:400] after 1000 / 1450 / 1550 steps): accuracy rises as a sharp
+jump whose position varies by 500+ steps between seeds, so no fixed step count does. The demo model is the tiny
+preset cut to 2 layers of width 96 (~0.23M parameters, --model_overrides): it learns as fast per step as the 0.8M
+preset at less than half the cost; weight decay 0.1 brings the jump earlier.
 
 Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model dir + train
 state), latest, and model/ (the final HF model dir: config.json, model.safetensors, tokenizer files; loadable by

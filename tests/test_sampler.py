@@ -167,6 +167,7 @@ for _ in range(2):  # twice: the parameters must be sharded again, and usable fo
     logp.sum().backward()
     assert type(fsdp.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
 open(os.path.join({out!r}, f"rank{{rank}}.ok"), "w").close()
+dist.barrier()  # both ranks done before either destroys the group (a lone destroy can abort gloo)
 dist.destroy_process_group()
 """
 

@@ -19,10 +19,13 @@ for the <= 1B-parameter models minigrpo trains; beyond that, DCP's sharded save 
 
 import argparse
 import dataclasses
+import importlib.util
+import inspect
 import io
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -200,9 +203,10 @@ def parse_config(cls, argv: list[str] | None = None):
     """Build an argparse parser from a @dataclass (help from field metadata["help"], optional metadata["choices"])
     and return an instance. Flags are the field names: --lr 3e-4, --bf16 true|false (or bare --bf16),
     --pass_k 1,8 for tuple fields, --init none for Optional fields."""
-    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip(),
+    doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # not dataclass's signature
+    parser = argparse.ArgumentParser(description=(doc or "").strip(),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    hints = typing.get_type_hints(cls)
+    hints, sections, groups = typing.get_type_hints(cls), _sections(cls), {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -210,8 +214,27 @@ def parse_config(cls, argv: list[str] | None = None):
                   choices=f.metadata.get("choices"))
         if tp is bool:
             kw.update(nargs="?", const=True, metavar="true|false")
-        parser.add_argument(f"--{f.name}", **kw)
+        title = sections.get(f.name)
+        if title and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title] if title else parser
+        group.add_argument(f"--{f.name}", **kw)
     return cls(**vars(parser.parse_args(argv)))
+
+
+def _sections(cls) -> dict[str, str]:
+    """field name -> the `# title` comment line above it in the dataclass body: the section of --help it goes in."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (e.g. a class made in a REPL): one flat list of flags
+        return {}
+    names, title, out = {f.name for f in dataclasses.fields(cls)}, None, {}
+    for line in lines:  # titles are comment lines at the fields' indentation, pragmas aside
+        if (m := re.match(r"    #\s*(.+?)\s*$", line)) and not re.match(r"(fmt|noqa|type|ruff|pragma)\b", m.group(1)):
+            title = m.group(1)
+        elif (m := re.match(r"    (\w+)\s*:", line)) and m.group(1) in names and title:
+            out[m.group(1)] = title
+    return out
 
 
 def save_json(path, obj):
@@ -247,23 +270,67 @@ def make_generator(seed: int, *ints: int, device="cpu") -> torch.Generator:
 
 
 class JsonlLogger:
-    """Appends one JSON object per line, flushed each time (so `tail -f` works and a crash loses nothing)."""
+    """Appends one JSON object per line, flushed each time (so `tail -f` works and a crash loses nothing).
+    Optionally mirrors each row's numbers to Weights & Biases (wandb_project) and/or TensorBoard (tensorboard_dir),
+    keyed by row["step"]; both packages are optional and only imported when asked for."""
 
-    def __init__(self, path, enabled: bool = True, append: bool = True):
-        self.f = None
-        if enabled:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "a" if append else "w")
+    def __init__(self, path, enabled: bool = True, append: bool = True, *, wandb_project: str = "",
+                 tensorboard_dir=None, config: dict | None = None, start_step: int = 0):
+        # a missing package fails on every rank alike (not only on the logging rank, which would hang the others)
+        for package, wanted in (("wandb", wandb_project), ("tensorboard", tensorboard_dir)):
+            if wanted and importlib.util.find_spec(package) is None:
+                raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+        self.f = self.wandb = self.tb = None
+        if not enabled:
+            return
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "a" if append else "w")
+        if wandb_project:
+            import wandb
+
+            # OUT/wandb_run_id: "<id> <last logged step>". A resumed run continues the same W&B run; one that rewound
+            # behind steps W&B already has (a restart from an older checkpoint) gets a new W&B run, since W&B drops
+            # any step lower than one it has seen
+            run_dir = Path(path).parent
+            self.wandb_file = run_dir / "wandb_run_id"
+            run_id, last = (self.wandb_file.read_text().split() + ["0"])[:2] if self.wandb_file.is_file() else ("", 0)
+            if not run_id or int(last) > start_step:
+                run_id = wandb.util.generate_id()
+            self.wandb = wandb.init(project=wandb_project, name=run_dir.name, id=run_id, resume="allow",
+                                    dir=str(run_dir), config=config)
+            self.wandb_id = run_id
+            self.wandb_file.write_text(f"{run_id} {start_step}\n")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: on resume, TensorBoard hides the events of steps after the checkpoint written before
+            self.tb = SummaryWriter(log_dir=str(tensorboard_dir), flush_secs=10,
+                                    purge_step=start_step + 1 if start_step else None)
 
     def write(self, row: dict):
-        if self.f is not None:
-            row = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
-            self.f.write(json.dumps(row) + "\n")
-            self.f.flush()
+        if self.f is None:
+            return
+        row = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        nums = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}
+        if self.wandb is not None:
+            self.wandb.log(nums, step=row.get("step"))
+            self.wandb_file.write_text(f"{self.wandb_id} {row.get('step', 0)}\n")
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, global_step=row.get("step"))
 
     def close(self):
         if self.f is not None:
             self.f.close()
+            self.f = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
 
 # -----------------------------------------------------------------------------
@@ -580,17 +647,14 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         print0(f"resuming from {ckpt} at step {state['step']}"
                + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
                   "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
-        if state.get("stopped"):
-            print0(f"{ckpt} is where its run stopped early (--stop_pass1 / --max_minutes): nothing left to train "
-                   "(--overwrite starts over)")
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*out.glob("step_*"), out / "model"]
-            for f in ("latest", "config.json", *logs):
+            doomed += [*out.glob("step_*"), out / "model", out / "tb", out / "wandb"]
+            for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
         newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
         if newer:
@@ -604,6 +668,23 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         save_json(out / "config.json", dataclasses.asdict(cfg))
     barrier()
     return state
+
+
+def any_rank(flag: bool, dist: Dist) -> bool:
+    """True on every rank when it is true on any: a stop decision every rank must take at the same step."""
+    return bool(all_reduce_sum([float(flag)], dist, op="max")[0])
+
+
+def stays_stopped(state: dict, max_minutes: float) -> bool:
+    """Whether a resumed run that had stopped early stays stopped: one that met its criterion (--stop_pass1) does;
+    one that ran out of --max_minutes goes on when given more time (a larger --max_minutes, or 0 = no limit)."""
+    reason = state.get("stopped")
+    if reason == "time" and (max_minutes <= 0 or state.get("t_train", 0.0) < max_minutes * 60):
+        return False
+    if reason:
+        print0(f"the run stopped early at step {state['step']} ({'--max_minutes' if reason == 'time' else reason}): "
+               "nothing left to train (a larger --max_minutes continues a timed-out run; --overwrite starts over)")
+    return bool(reason)
 
 
 def check_finite(step: int, grad_norm, out_dir) -> None:

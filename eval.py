@@ -51,13 +51,15 @@ from sampler import generate
 @dataclass
 class EvalConfig:
     """Evaluate an HF model directory on a task split (pass@1, pass@k, maj@k, format, length, truncation)."""
+    # model and data
     model: str = field(default="runs/sft/model", metadata={"help": "HF model dir or run dir (its latest checkpoint)"})
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="test[:400]", metadata={"help": "problems, e.g. test, test[:400], train[10%:]"})
-    data_path: str | None = field(default=None, metadata={"help": "local jsonl for gsm8k/math (default: built-in)"})
+    data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
     task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
     template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    # generation and metrics
     max_new_tokens: int = field(default=64, metadata={"help": "completion length limit"})
     samples: int = field(default=1, metadata={"help": "n samples per problem (>1 adds pass@k / maj@k)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature when --samples > 1"})
@@ -66,6 +68,7 @@ class EvalConfig:
     greedy: bool = field(default=True, metadata={"help": "also run greedy pass@1 when --samples > 1"})
     batch_size: int = field(default=32, metadata={"help": "problems per sampler call (part of the eval's definition)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    # infrastructure
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16", "choices": ["float32", "bfloat16"]})
     out_dir: str = field(default="runs/eval", metadata={"help": "writes summary.json and completions.jsonl here"})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})

@@ -39,6 +39,7 @@ import rewards
 from common import (
     JsonlLogger,
     all_reduce_sum,
+    any_rank,
     check_finite,
     cleanup_dist,
     init_dist,
@@ -50,6 +51,7 @@ from common import (
     save_checkpoint,
     seed_all,
     start_or_resume,
+    stays_stopped,
     user_input,
     wrap_model,
 )
@@ -61,11 +63,12 @@ from sampler import generate
 
 @dataclass
 class GRPOConfig:
+    """GRPO from an HF model dir: sample G completions per prompt, score them, update on group advantages."""
     # model and data
     init: str = field(default="runs/sft/model", metadata={"help": "HF model dir to start from"})
     task: str = field(default="arith", metadata={"help": "task: arith | gsm8k | math"})
     split: str = field(default="train[10%:]", metadata={"help": "training problems (answers only are used)"})
-    data_path: str | None = field(default=None, metadata={"help": "local data file for gsm8k/math (default: hub)"})
+    data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
     task_knobs: str = field(default="", metadata={"help": "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'"})
     template: str = field(default="short", metadata={"help": "prompt template", "choices": ["short", "r1", "chat"]})
     eval_split: str = field(default="test[:200]", metadata={"help": "held-out problems for in-loop eval"})
@@ -112,6 +115,11 @@ class GRPOConfig:
     resume: str = field(default="auto", metadata={"help": "auto: continue from the newest checkpoint in --out_dir "
                                                           "(if any) | none: start fresh | PATH: that checkpoint"})
     overwrite: bool = field(default=False, metadata={"help": "start over, deleting the run already in --out_dir"})
+    # optional loggers (metrics.jsonl is always written)
+    wandb: str = field(default="", metadata={"help": "also log metrics to this Weights & Biases project "
+                                                      "(pip install wandb; WANDB_MODE=offline works)"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to OUT/tb "
+                                                                "(pip install tensorboard)"})
 
 
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape):
@@ -246,12 +254,14 @@ def main(argv=None):
 
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; write config.json
     state = start_or_resume(resume_from, cfg, model, opt, d)
-    log = JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main)
+    log = JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main, wandb_project=cfg.wandb,
+                      tensorboard_dir=os.path.join(cfg.out_dir, "tb") if cfg.tensorboard else None, config=asdict(cfg),
+                      start_step=state["step"])
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
     print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), loss={cfg.loss}")
 
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
-    first = cfg.steps + 1 if state.get("stopped") else state["step"] + 1  # an early-stopped run stays stopped
+    first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
@@ -369,7 +379,7 @@ def main(argv=None):
         for i in range(min(cfg.log_samples, len(texts))):
             samples_log.write({"step": step, "prompt": prompt_text[mine[i // G]], "completion": texts[i], **scores[i]})
 
-        done = step == cfg.steps or (cfg.max_minutes > 0 and _any_rank(t_train > cfg.max_minutes * 60, d))
+        done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d))
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                   dist=d, seed=cfg.seed)  # fmt: skip
@@ -381,11 +391,13 @@ def main(argv=None):
             + (f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else "")
         )
         if done or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {"t_train": t_train, "stopped": done and step < cfg.steps}
+            train_state = {"t_train": t_train, "stopped": "time" if done and step < cfg.steps else False}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                             config=asdict(cfg))
         if done:
             break
+    log.close()
+    samples_log.close()
     cleanup_dist()
 
 
@@ -431,10 +443,6 @@ def _no_sync(model, last: bool):
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(False)
     return nullcontext()
-
-
-def _any_rank(flag: bool, d) -> bool:
-    return bool(all_reduce_sum([float(flag)], d, op="max")[0])
 
 
 def _peak_mem_mb(device) -> float:

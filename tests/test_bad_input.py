@@ -166,6 +166,9 @@ def test_resume_errors(dirs, run_dir, tmp_path):
 def test_overwrite_starts_over(dirs, run_dir, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_dir, out)
+    (out / "tb").mkdir()  # the old run's logger outputs go too (a new W&B run, no stale TensorBoard events)
+    (out / "tb" / "events.out.tfevents.1").write_text("old")
+    (out / "wandb_run_id").write_text("abc 7\n")
     grpo.main(GRPO + ["--init", str(dirs / "good"), "--steps", "1", "--out_dir", str(out), "--overwrite"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "latest", "metrics.jsonl", "samples.jsonl",
                                                      "step_000001"]  # fmt: skip

@@ -2,7 +2,7 @@
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch
@@ -14,8 +14,10 @@ import model as model_lib
 @dataclass
 class Cfg:
     """A test config."""
+    # optimisation
     lr: float = field(default=1e-3, metadata={"help": "learning rate"})
     steps: int = field(default=10, metadata={"help": "number of steps"})
+    # naming and switches
     name: str = field(default="a", metadata={"help": "a name", "choices": ["a", "b"]})
     flag: bool = field(default=False, metadata={"help": "a switch"})
     on: bool = field(default=True, metadata={"help": "on by default"})
@@ -41,6 +43,40 @@ def test_parse_config_help_and_errors(capsys):
         with pytest.raises(SystemExit) as e:
             common.parse_config(Cfg, bad)
         assert e.value.code == 2
+
+
+def _help_sections(text: str) -> dict[str, list[str]]:
+    """--help text -> {section title: [flags in it]} (argparse prints each group as 'title:' then its flags)."""
+    sections, title = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = []
+        elif title and line.startswith("  -"):
+            sections[title].append(line.split()[0].rstrip(","))
+    return sections
+
+
+def test_help_is_grouped_by_the_config_comments(capsys):
+    with pytest.raises(SystemExit):
+        common.parse_config(Cfg, ["--help"])
+    got = _help_sections(capsys.readouterr().out)
+    assert got["optimisation"] == ["--lr", "--steps"]
+    assert got["naming and switches"] == ["--name", "--flag", "--on", "--init", "--ks"]
+
+
+@pytest.mark.parametrize("script", ["sft", "grpo", "eval"])
+def test_every_script_flag_is_in_a_section(script, capsys):
+    mod = __import__(script)
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    text = capsys.readouterr().out
+    got = _help_sections(text)
+    cfg_cls = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == script)
+    grouped = [flag for title, flags in got.items() if title != "options" for flag in flags]
+    assert sorted(grouped) == sorted(f"--{f.name}" for f in fields(cfg_cls))
+    assert len(got) >= 4 and got["options"] == ["-h"]  # -h/--help alone outside the sections
+    assert "Config(" not in text  # the description is the docstring, not dataclass's generated signature
 
 
 def test_lr_schedule():
@@ -71,6 +107,70 @@ def test_jsonl_logger(tmp_path):
     assert rows == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
     common.JsonlLogger(tmp_path / "off.jsonl", enabled=False).write({"a": 1})
     assert not (tmp_path / "off.jsonl").exists()
+
+
+def test_jsonl_logger_mirrors_to_wandb(tmp_path, fake_wandb):
+    fake = fake_wandb
+    log = common.JsonlLogger(tmp_path / "run" / "m.jsonl", wandb_project="proj", config={"lr": 0.1})
+    log.write({"step": 1, "loss": torch.tensor(0.5), "note": "text", "ok": True, "n": 3})
+    log.close()
+    assert fake.logged == [(1, {"loss": 0.5, "n": 3})]  # numbers only, keyed by the step
+    assert fake.inits[0]["project"] == "proj" and fake.inits[0]["name"] == "run"
+    assert fake.inits[0]["config"] == {"lr": 0.1} and fake.finished == 1
+    # resumed from a checkpoint at the last logged step: the same W&B run goes on
+    log = common.JsonlLogger(tmp_path / "run" / "m.jsonl", wandb_project="proj", start_step=1)
+    log.write({"step": 2, "loss": 0.4})
+    log.write({"step": 3, "loss": 0.3})
+    log.close()
+    assert fake.inits[1]["id"] == fake.inits[0]["id"] and fake.inits[1]["resume"] == "allow"
+    # a restart from the step-2 checkpoint after step 3 was logged: a new W&B run, so no step is dropped
+    log = common.JsonlLogger(tmp_path / "run" / "m.jsonl", wandb_project="proj", start_step=2)
+    log.write({"step": 3, "loss": 0.35})
+    log.close()
+    assert fake.inits[2]["id"] != fake.inits[0]["id"] and fake.dropped == []
+    assert [step for step, _ in fake.logged] == [1, 2, 3, 3]
+    # a logger that is not the main rank's opens nothing
+    common.JsonlLogger(tmp_path / "run2" / "m.jsonl", enabled=False, wandb_project="proj").write({"step": 1, "a": 1})
+    assert len(fake.inits) == 3 and not (tmp_path / "run2").exists()
+
+
+def test_stays_stopped():
+    assert not common.stays_stopped({"step": 5}, 0)
+    assert common.stays_stopped({"step": 5, "stopped": "--stop_pass1"}, 10)
+    assert common.stays_stopped({"step": 5, "stopped": True}, 0)  # checkpoints written before the reason was kept
+    timed = {"step": 5, "stopped": "time", "t_train": 120.0}
+    assert common.stays_stopped(timed, 2) and common.stays_stopped(timed, 1)
+    assert not common.stays_stopped(timed, 3) and not common.stays_stopped(timed, 0)  # more time, or no limit
+
+
+def test_missing_logger_package_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
+    for kw, pkg in (({"wandb_project": "p"}, "wandb"), ({"tensorboard_dir": tmp_path / "tb"}, "tensorboard")):
+        for enabled in (True, False):  # every rank fails alike, not only the one that logs
+            with pytest.raises(SystemExit, match=f"--{pkg} needs the {pkg} package: pip install {pkg}"):
+                common.JsonlLogger(tmp_path / "m.jsonl", enabled=enabled, **kw)
+
+
+def test_jsonl_logger_writes_tensorboard_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = common.JsonlLogger(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    for step in (1, 2, 3):
+        log.write({"step": step, "reward": 0.25 * step, "text": "x"})
+    log.close()
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert ea.Tags()["scalars"] == ["reward"]
+    assert [(e.step, e.value) for e in ea.Scalars("reward")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    # resumed from the step-1 checkpoint: steps 2-3 are written again and replace the old ones
+    log = common.JsonlLogger(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb", start_step=1)
+    for step in (2, 3):
+        log.write({"step": step, "reward": 1.0})
+    log.close()
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("reward")] == [(1, 0.25), (2, 1.0), (3, 1.0)]
 
 
 def _tiny():

@@ -1,6 +1,7 @@
 """grpo.py end to end: N-rank DDP / FSDP2 runs give the per-step metrics of one process on the same prompts and seed
 (real torchrun subprocesses, gloo), and the chunked log-prob path stays far below full-logits memory."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,21 +12,9 @@ import pytest
 import torch
 
 import grpo
-from model import Transformer, char_tokenizer, preset_config, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    tok = char_tokenizer()
-    cfg = preset_config("tiny", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny")
-    save_model(Transformer(cfg), path, tok)
-    return path
 
 
 # a random model never answers correctly; the overlong penalty gives groups reward variance, so there is a gradient
@@ -114,6 +103,24 @@ def test_bad_flags_give_one_clear_line(tiny_dir, tmp_path):
                            + extra, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert r.returncode != 0 and msg in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+
+
+def test_optional_loggers_get_every_metric(tiny_dir, tmp_path, fake_wandb):
+    """--wandb (a recorder in place of the package) and --tensorboard (when installed) get metrics.jsonl's numbers."""
+    tb = importlib.util.find_spec("tensorboard") is not None
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path), "--wandb", "demo", "--tensorboard", str(tb),
+               *FLAGS])  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [step for step, _ in fake_wandb.logged] == [r["step"] for r in rows] == [1, 2, 3]
+    for (_, got), row in zip(fake_wandb.logged, rows):
+        assert got == {k: v for k, v in row.items() if k != "step"}
+    assert fake_wandb.inits[0]["config"]["group_size"] == 4 and fake_wandb.finished == 1
+    if tb:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ea = EventAccumulator(str(tmp_path / "tb"))
+        ea.Reload()
+        assert [e.value for e in ea.Scalars("reward")] == pytest.approx([r["reward"] for r in rows])
 
 
 def test_training_batch_positions():

@@ -95,6 +95,16 @@ def test_output_loads_in_transformers(single_run):
     assert tok.decode(tok.encode("12+34=46</think>")) == "12+34=46</think>"
 
 
+def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path):
+    out = tmp_path / "timed"
+    sft.main([*TINY, "--max_minutes", "1e-9", "--out_dir", str(out)])  # any step takes longer than this
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1] and "eval_pass1" in rows[0]  # stopped after step 1, evaluated there
+    assert (out / "latest").read_text().strip() == "step_000001" and (out / "model" / "config.json").is_file()
+    sft.main([*TINY, "--max_minutes", "1e-9", "--out_dir", str(out)])  # run again: it stays stopped
+    assert len(metrics(out)) == 1
+
+
 def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sft.main(["--help"])

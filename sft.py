@@ -306,19 +306,18 @@ def main(argv=None):
         log.write(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.1e}", pass1="-" if pass1 is None else f"{pass1:.3f}")
+        stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept in the checkpoint for resume
         if stop:
             print0(f"\nstep {step}: held-out pass@1 {recent} >= --stop_pass1 {cfg.stop_pass1} in {len(recent)} "
                    "consecutive evals: stopping")
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
-        reason = "--stop_pass1" if stop else "time" if out_of_time else False
-        stop = stop or out_of_time
-        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {"data_position": step * cfg.global_batch, "elapsed_s": metrics["elapsed_s"],
-                           "stopped": reason, "eval_history": history, "t_train": t_train}
+                           "stopped": stopped, "eval_history": history, "t_train": t_train}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                                    config=asdict(cfg))
-        if stop:
+        if stopped:
             break
     bar.close()
     log.close()

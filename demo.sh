@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole R1 pipeline on a laptop CPU, on the built-in arithmetic task — three stage commands in sequence:
 #   1. sft.py   a fresh tiny Llama learns the <think>…</think> <answer>…</answer> format from worked solutions
-#               of the first 10% of the training problems;
-#   2. grpo.py  GRPO on the other 90%, rewarded only by whether the final answer is exactly right (+ format);
+#               of the first 5% of the training problems (1,000: scarce, on purpose);
+#   2. grpo.py  GRPO on the other 95%, rewarded only by whether the final answer is exactly right (+ format);
 #   3. eval.py  greedy pass@1, pass@8 / maj@8 (8 samples at T=1) and format rate, before and after GRPO, on 400
 #               held-out test problems; then a before/after table and a PNG of the GRPO run.
 #

@@ -67,7 +67,7 @@ class GRPOConfig:
     # model and data
     init: str = field(default="runs/sft/model", metadata={"help": "HF model dir to start from"})
     task: str = field(default="arith", metadata={"help": "task: arith | gsm8k | math"})
-    split: str = field(default="train[10%:]", metadata={"help": "training problems (answers only are used)"})
+    split: str = field(default="train[5%:]", metadata={"help": "training problems (answers only are used)"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
     task_knobs: str = field(default="", metadata={"help": "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'"})
     template: str = field(default="short", metadata={"help": "prompt template", "choices": ["short", "r1", "chat"]})
@@ -93,9 +93,9 @@ class GRPOConfig:
     mask_truncated: bool = field(default=False, metadata={"help": "drop truncated completions from the loss"})
     reward_weights: str = field(default="", metadata={"help": "reward weights, e.g. 'correct=1,format=0.1'"})
     # optimisation
-    steps: int = field(default=2000, metadata={"help": "optimizer steps (upper bound when --max_minutes is set)"})
+    steps: int = field(default=3000, metadata={"help": "optimizer steps (upper bound when --max_minutes is set)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time (0 = off)"})
-    lr: float = field(default=3e-5, metadata={"help": "peak learning rate"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
     warmup: int = field(default=10, metadata={"help": "linear warmup steps"})
     min_lr_ratio: float = field(default=1.0, metadata={"help": "cosine floor as a fraction of lr (1.0 = constant)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})

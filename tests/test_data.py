@@ -303,3 +303,20 @@ def test_real_math500_loads():
     assert [r["answer"] for r in rows] == [r["answer"].strip() for r in raw]
     for row in rows:
         assert reward("<think>" + sft_target(row), row["answer"])["correct"] == 1.0
+
+
+def test_demo_default_splits_partition_train():
+    """The demo's premise: SFT's worked solutions and GRPO's answer-only problems are disjoint and cover train, and
+    neither stage's in-loop eval nor eval.py's default split reads a training question."""
+    import eval as eval_script
+    import grpo
+    import sft
+
+    sft_cfg, grpo_cfg, eval_cfg = sft.SFTConfig(), grpo.GRPOConfig(), eval_script.EvalConfig()
+    sft_q = [r["question"] for r in load_task("arith", sft_cfg.split)]
+    grpo_q = [r["question"] for r in load_task("arith", grpo_cfg.split)]
+    assert len(sft_q) + len(grpo_q) == data.ARITH_DEFAULTS["train_size"]
+    assert sft_q + grpo_q == [r["question"] for r in load_task("arith", "train")]
+    held_out = {r["question"] for s in (sft_cfg.eval_split, grpo_cfg.eval_split, eval_cfg.split)
+                for r in load_task("arith", s)}
+    assert held_out.isdisjoint(sft_q) and held_out.isdisjoint(grpo_q)

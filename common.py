@@ -70,7 +70,7 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
     fail after it (gloo raises in the waiting call; NCCL's watchdog aborts the process) instead of hanging the run."""
     use_cuda = torch.cuda.is_available() and device != "cpu"
     if "RANK" not in os.environ:  # plain `python script.py`
-        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
+        return Dist(device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     dev = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
@@ -158,6 +158,31 @@ def all_reduce_sum(x, dist: "Dist | None" = None, op: str = "sum"):
     t = torch.tensor(x, dtype=torch.float64, device=_comm_device())
     tdist.all_reduce(t, op=_OPS[op])
     return t.tolist()
+
+
+def all_reduce_named(values: dict, ops: dict | None = None) -> dict:
+    """Reduce named numbers over ranks: values {name: python number}, ops {name: "sum" | "max" | "min"} (a name not
+    in ops is summed). One collective per distinct op, each over the names in values' order, so every rank must pass
+    the same names. A no-op in a single process (the values come back as given)."""
+    if not is_dist():
+        return dict(values)
+    ops, out = ops or {}, dict(values)
+    for op in sorted({ops.get(k, "sum") for k in values}):
+        names = [k for k in values if ops.get(k, "sum") == op]
+        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=_comm_device())
+        tdist.all_reduce(t, op=_OPS[op])
+        out.update(zip(names, t.tolist()))
+    return out
+
+
+def peak_mem_mb(device) -> float:
+    """Peak memory of this process so far, in MiB: allocated CUDA memory on a CUDA device (the caching allocator's
+    high-water mark), else the peak resident set size (Linux reports KiB)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def all_reduce_mean(x, dist: "Dist | None" = None):
@@ -542,13 +567,14 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     ckpt_dir = Path(ckpt_dir)
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_lib.load_model(ckpt_dir).state_dict(), options=full)
-    train_state = torch.load(ckpt_dir / "train_state.pt", weights_only=True)
+    # map_location: a checkpoint is CPU tensors whatever device wrote it; set_*_state_dict copies them where they go
+    train_state = torch.load(ckpt_dir / "train_state.pt", map_location="cpu", weights_only=True)
     if optimizer is not None and train_state.get("optimizer") is not None:
         set_optimizer_state_dict(model, optimizer, train_state["optimizer"], options=full)
     rank_state = {}
     rng_file = ckpt_dir / f"rng_rank{dist.rank}.pt"
     if rng_file.is_file():
-        rank_state = torch.load(rng_file, weights_only=True)
+        rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)
         _set_rng_state(rank_state.pop("rng"))
     return train_state, rank_state
 

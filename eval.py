@@ -126,7 +126,8 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     this together when distributed (it gathers), with the same rows."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
-    device = dist.device if dist is not None else next(model.parameters()).device  # where the generators live
+    # where the generators live: the model's device (FSDP2 parameters are DTensors; their device is the local one)
+    device = dist.device if dist is not None else next(model.parameters()).device
     cfg_eos = getattr(model, "module", model).config.eos_token_id  # an int or a list (chat models stop on several)
     eos_ids = sorted({tokenizer.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])} - {None})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -145,15 +146,17 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
                        generator=make_generator(seed, b, device=device))
         if dummy:
             continue
+        # the host's copy of the batch (one transfer each): text and scores are bookkeeping
         n_tok = gen.mask.sum(1).tolist()  # (N,) tokens generated, the stop token included
-        for i in range(gen.tokens.shape[0]):  # rows prompt-major: row = p * samples + j
+        tokens, truncated = gen.tokens.tolist(), gen.truncated.tolist()
+        for i in range(len(tokens)):  # rows prompt-major: row = p * samples + j
             p, j = divmod(i, samples)
-            text = tokenizer.decode(gen.tokens[i, : n_tok[i]].tolist(), skip_special_tokens=True)
+            text = tokenizer.decode(tokens[i][: n_tok[i]], skip_special_tokens=True)
             response = prompts[p][1] + text  # what the prompt opened ("<think>") + the completion
             score = rewards.reward(response, batch[p]["answer"])
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
-                         "num_tokens": n_tok[i], "truncated": bool(gen.truncated[i]), **score})
+                         "num_tokens": n_tok[i], "truncated": truncated[i], **score})
     model.train(was_training)
     records = sorted(all_gather_list(mine), key=lambda r: (r["problem"], r["sample"]))
     summary = summarize(records, samples, pass_k)

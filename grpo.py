@@ -38,8 +38,9 @@ import torch
 
 import rewards
 from common import (
+    Dist,
     JsonlLogger,
-    all_reduce_sum,
+    all_reduce_named,
     any_rank,
     check_finite,
     cleanup_dist,
@@ -47,6 +48,7 @@ from common import (
     lr_at,
     make_generator,
     parse_config,
+    peak_mem_mb,
     print0,
     resume_point,
     save_checkpoint,
@@ -176,27 +178,91 @@ def policy_loss(logp, old_logp, ref_logp, adv, eps_low: float, eps_high: float, 
     return l, stats
 
 
+def loss_mask(r: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, filter_zero_std: bool,
+              mask_truncated: bool):
+    """Which completion tokens count in the loss. r: (P, G) rewards; mask: (N, Tc) bool sampled tokens (stop token
+    included), N = P * G; truncated: (N,) bool. Returns lmask (N, Tc) float, keep (N,) bool (the completion counts),
+    zero_std (P,) bool (the group's rewards are all equal, so its advantages are exactly 0)."""
+    G = r.shape[1]
+    zero_std = r.max(1).values == r.min(1).values  # (P,)
+    keep = torch.ones_like(truncated)  # (N,)
+    if filter_zero_std:
+        keep &= ~zero_std.repeat_interleave(G)
+    if mask_truncated:
+        keep &= ~truncated
+    return (mask & keep[:, None]).float(), keep, zero_std
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Batch plumbing
+# One step's pieces, in order: rollout -> score -> (advantages, loss mask: above) -> update -> step_metrics.
+# Every tensor lives on the model's device; host-side bookkeeping (text, rewards, row lists) crosses over explicitly.
+
+
+@dataclass
+class Rollout:
+    """G completions of each of this rank's prompts, row = prompt * G + sample; every tensor on the model's device."""
+    tokens: torch.Tensor  # (N, Tc) long, pad_id after the stop token
+    mask: torch.Tensor  # (N, Tc) bool, True through the stop token
+    logprobs: torch.Tensor  # (N, Tc) fp32, the sampler's log-prob of each token (0 where masked)
+    truncated: torch.Tensor  # (N,) bool, hit --max_new_tokens without a stop token
+    lengths: torch.Tensor  # (N,) long, completion tokens (stop token included)
+
+
+def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOConfig, eos_ids, pad_id: int,
+            device) -> Rollout:
+    """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call. prompts[0] is the
+    step's global prompt number `first`; each call's generator is seeded from (seed, step, global number of its
+    first prompt), so any world size draws the same samples."""
+    model.eval()
+    parts = []
+    for c in range(0, len(prompts), cfg.gen_batch):
+        gen = generate(
+            model, prompts[c : c + cfg.gen_batch], cfg.max_new_tokens, num_samples=cfg.group_size,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id,
+            generator=make_generator(cfg.seed, step, first + c, device=device),
+        )  # fmt: skip
+        parts.append(gen)
+    Tc = max(g.tokens.shape[1] for g in parts)  # calls stop at different lengths: pad to the longest
+    mask = torch.cat([_pad(g.mask, Tc, False) for g in parts])
+    return Rollout(
+        tokens=torch.cat([_pad(g.tokens, Tc, pad_id) for g in parts]), mask=mask,
+        logprobs=torch.cat([_pad(g.logprobs, Tc, 0.0) for g in parts]),
+        truncated=torch.cat([g.truncated for g in parts]), lengths=mask.sum(1),
+    )  # fmt: skip
+
+
+def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPOConfig, weights):
+    """Decode and score every completion on the host: the scored response is what the prompt opened ("<think>")
+    + the decoded completion. prefixes/answers: one per prompt. Returns the rewards r (P, G) fp32, moved to the
+    rollout's device once, each completion's reward dict and its text."""
+    G, lengths = cfg.group_size, roll.lengths.tolist()
+    rows = [t[:n] for t, n in zip(roll.tokens.tolist(), lengths)]  # one device -> host copy
+    texts = tok.batch_decode(rows, skip_special_tokens=True)
+    scores = [
+        rewards.reward(prefixes[i // G] + t, answers[i // G], weights, num_tokens=lengths[i],
+                       max_tokens=cfg.max_new_tokens)
+        for i, t in enumerate(texts)
+    ]  # fmt: skip
+    r = torch.tensor([s["reward"] for s in scores], dtype=torch.float32, device=roll.tokens.device)
+    return r.view(-1, G), scores, texts
 
 
 def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[int], pad_id: int):
-    """Right-padded [prompt + completion] rows and where each completion token's log-prob sits.
+    """Right-padded [prompt + completion] rows and where each completion token's log-prob sits, on comp's device.
 
     prompts: N token lists; comp: (N, Tc) sampled tokens; n_comp: valid completion length per row (EOS included).
     Returns inputs (N, L), targets (N, L), pos (N, Tc): the column of inputs whose next-token prediction is
     completion token t (position len(prompt) - 1 + t, clamped for padding).
     """
-    rows = [p + comp[i, : n_comp[i]].tolist() for i, p in enumerate(prompts)]
+    rows = [p + c[:n] for p, c, n in zip(prompts, comp.tolist(), n_comp)]  # host lists: one device -> host copy
     L = max(len(r) for r in rows) - 1
-    inputs = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), L), -1, dtype=torch.long)  # -1 marks padding (its log-prob is never read)
-    for i, r in enumerate(rows):
-        inputs[i, : len(r) - 1] = torch.tensor(r[:-1])
-        targets[i, : len(r) - 1] = torch.tensor(r[1:])
-    t = torch.arange(comp.shape[1])
-    pos = torch.tensor([len(p) - 1 for p in prompts])[:, None] + t[None, :]  # (N, Tc)
-    return inputs, targets, pos.clamp(max=L - 1)
+    # -1 marks padding in targets (its log-prob is never read)
+    inputs = [r[:-1] + [pad_id] * (L + 1 - len(r)) for r in rows]
+    targets = [r[1:] + [-1] * (L + 1 - len(r)) for r in rows]
+    device = comp.device
+    t = torch.arange(comp.shape[1], device=device)
+    pos = torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None] + t[None, :]  # (N, Tc)
+    return torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1)
 
 
 def completion_logprobs(model, inputs, targets, pos, temperature):
@@ -204,6 +270,91 @@ def completion_logprobs(model, inputs, targets, pos, temperature):
     them chunk by chunk, so full (N, L, vocab) fp32 logits never exist."""
     logp, ent = model(inputs, targets=targets, temperature=temperature)  # (N, L) each
     return logp.gather(1, pos), ent.gather(1, pos)
+
+
+# what update() sums over the counted tokens of its first pass (step_metrics divides by ntok)
+UPDATE_STATS = ("ntok", "entropy", "logprob_gap", "clip_low", "clip_high", "kl")
+
+
+def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, sampler_logp, cfg: GRPOConfig, dist: Dist,
+           step: int) -> dict:
+    """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss), grad clip,
+    optimizer step. batch: training_batch's (inputs, targets, pos); seq_len: each row's real length in it (host);
+    adv (N, 1), lmask / w / sampler_logp (N, Tc), all on the model's device.
+
+    Rows whose every weight is 0, or whose advantage is 0 without KL, add no gradient: they are skipped, but every
+    rank runs the same number of micro-batches (collectives must match), a rank without rows one zero-weight row.
+    Returns sums over the counted tokens of the first pass (ntok, entropy, logprob_gap, clip_low, clip_high, kl;
+    this rank's) and the last pass's grad_norm."""
+    model.train()
+    device, mb = lmask.device, cfg.train_micro_batch
+    useful = (w.sum(1) > 0) & ((adv[:, 0] != 0) | (cfg.beta > 0))  # (N,)
+    rows = useful.nonzero()[:, 0].tolist()
+    n_micro = int(max(all_reduce_named({"n": math.ceil(len(rows) / mb)}, {"n": "max"})["n"], 1))
+    micro = [rows[k * mb : (k + 1) * mb] for k in range(n_micro)]
+    # each micro-batch's row indices on the device, and its columns cut to its longest row (short rows cost less)
+    ix = [torch.tensor(idx or [0], device=device) for idx in micro]
+    cols = [max(seq_len[i] for i in idx or [0]) for idx in micro]
+    sliced = [_slice(*batch, ix[k], cols[k]) for k in range(n_micro)]
+    old, ref_logp = [None] * n_micro, [None] * n_micro
+    if cfg.mu > 1 or ref is not None:  # old log-probs before the first update; reference log-probs for KL
+        with torch.no_grad():
+            for k in range(n_micro):
+                old[k] = completion_logprobs(model, *sliced[k], cfg.temperature)[0] if cfg.mu > 1 else None
+                ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature)[0] if ref is not None else None
+    stats = []  # per counted micro-batch: (ntok, entropy, gap, clip_low, clip_high, kl) sums, on the device
+    for update in range(cfg.mu):
+        for k, idx in enumerate(micro):
+            with _no_sync(model, k == n_micro - 1):
+                logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature)
+                old_logp = old[k] if cfg.mu > 1 else logp.detach()
+                l, st = policy_loss(logp, old_logp, ref_logp[k], adv[ix[k]], cfg.epsilon, cfg.epsilon_high, cfg.beta)
+                wk = w[ix[k]] if idx else torch.zeros_like(w[ix[k]])
+                (l * wk).sum().backward()
+            if update == 0 and idx:  # diagnostics on the first pass over the counted tokens
+                m = lmask[ix[k]]
+                gap = (logp.detach() - sampler_logp[ix[k]]).abs()
+                zero = m.new_zeros(())
+                stats.append(torch.stack([m.sum(), (ent * m).sum(), (gap * m).sum()]
+                                         + [(st[key] * m).sum() if key in st else zero
+                                            for key in ("clip_low", "clip_high", "kl")]))  # fmt: skip
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = dict.fromkeys(UPDATE_STATS, 0.0)
+    for row in torch.stack(stats).tolist() if stats else []:  # one device -> host copy; summed in order
+        for name, v in zip(UPDATE_STATS, row):
+            out[name] += v
+    return {**out, "grad_norm": _local(grad_norm).item()}
+
+
+def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
+                 elapsed: float, dist: Dist) -> dict:
+    """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add up, the slowest
+    rank sets lengths, generation time and memory (max)."""
+    lengths = roll.lengths.tolist()
+    r_sum, r_sq, n_zero, n_trunc = torch.stack([r.sum(), (r**2).sum(), zero_std.sum().float(),
+                                                roll.truncated.sum().float()]).tolist()  # fmt: skip
+    comps = sorted(k for k in scores[0] if k != "reward")  # reward components: correct, format, ...
+    local = {
+        "n": len(scores), "reward": r_sum, "reward_sq": r_sq, "zero_std": n_zero, "groups": r.shape[0],
+        "len": sum(lengths), "truncated": n_trunc, **{k: stats[k] for k in UPDATE_STATS},
+        **{"comp_" + c: sum(s[c] for s in scores) for c in comps},
+        "len_max": max(lengths), "t_generate": times["generate"], "mem_peak_mb": peak_mem_mb(dist.device),
+    }  # fmt: skip
+    g = all_reduce_named(local, {"len_max": "max", "t_generate": "max", "mem_peak_mb": "max"})
+    n, nt = g["n"], max(g["ntok"], 1)
+    mean_r = g["reward"] / n
+    return {
+        "step": step, "reward": mean_r, "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_r**2, 0.0)),
+        **{c: g["comp_" + c] / n for c in comps},
+        "frac_zero_std": g["zero_std"] / g["groups"], "clip_low": g["clip_low"] / nt, "clip_high": g["clip_high"] / nt,
+        "kl": g["kl"] / nt, "entropy": g["entropy"] / nt, "len_mean": g["len"] / n, "len_max": g["len_max"],
+        "truncated": g["truncated"] / n, "logprob_gap": g["logprob_gap"] / nt, "t_generate": g["t_generate"],
+        "t_score": times["score"], "t_train": times["train"], "tokens_per_s": g["len"] / times["step"],
+        "mem_peak_mb": g["mem_peak_mb"], "lr": lr, "grad_norm": stats["grad_norm"], "elapsed_s": elapsed,
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,121 +413,46 @@ def main(argv=None):
     print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), loss={cfg.loss}")
 
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
-    first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
-    for step in range(first, cfg.steps + 1):
+    start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
+    for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
 
-        # 1. this rank's prompts: a contiguous slice of the step's global prompts
-        mine = [order(i) for i in range((step - 1) * P + d.rank * (P // W), (step - 1) * P + (d.rank + 1) * (P // W))]
+        # 1. this rank's prompts: a contiguous slice of the step's global prompts, numbered from `first`
+        first = (step - 1) * P + d.rank * (P // W)
+        mine = [order(i) for i in range(first, first + P // W)]
 
-        # 2. sample G completions per prompt, gen_batch prompts per call; each call's generator is seeded from
-        #    (seed, step, global index of its first prompt), so any world size draws the same samples
-        toks, cmask, slogp, trunc = [], [], [], []
-        model.eval()
-        for c in range(0, len(mine), cfg.gen_batch):
-            first = (step - 1) * P + d.rank * (P // W) + c
-            gen = generate(
-                model, [prompt_ids[i] for i in mine[c : c + cfg.gen_batch]], cfg.max_new_tokens,
-                num_samples=G, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids,
-                pad_id=pad_id, generator=make_generator(cfg.seed, step, first, device=d.device),
-            )  # fmt: skip
-            toks.append(gen.tokens), cmask.append(gen.mask), slogp.append(gen.logprobs), trunc.append(gen.truncated)
-        Tc = max(t.shape[1] for t in toks)
-        comp = torch.cat([_pad(t, Tc, pad_id) for t in toks])  # (N, Tc), N = len(mine) * G, row = p * G + g
-        cmask = torch.cat([_pad(m, Tc, False) for m in cmask])  # (N, Tc) bool, stop token included
-        slogp = torch.cat([_pad(x, Tc, 0.0) for x in slogp])  # (N, Tc) sampler log-probs
-        trunc = torch.cat(trunc)  # (N,)
-        n_comp = cmask.sum(1).tolist()
+        # 2. rollout: G completions per prompt (each prompt prefilled once)
+        roll = rollout(model, [prompt_ids[i] for i in mine], first, step, cfg, eos_ids, pad_id, d.device)
         t1 = time.perf_counter()
 
-        # 3. score: the response is what the prompt opened ("<think>") + the decoded completion
-        texts = tok.batch_decode([comp[i, : n_comp[i]].tolist() for i in range(len(n_comp))], skip_special_tokens=True)
-        scores = [
-            rewards.reward(prefix[mine[i // G]] + t, rows[mine[i // G]]["answer"], weights,
-                           num_tokens=n_comp[i], max_tokens=cfg.max_new_tokens)
-            for i, t in enumerate(texts)
-        ]  # fmt: skip
-        r = torch.tensor([s["reward"] for s in scores], dtype=torch.float32).view(-1, G)  # (P_rank, G)
+        # 3. score on the host; the rewards r (P_rank, G) come back to the device
+        r, scores, texts = score(tok, roll, [prefix[i] for i in mine], [rows[i]["answer"] for i in mine], cfg,
+                                 weights)  # fmt: skip
 
-        # 4. group advantages and which tokens count
+        # 4. group advantages and which tokens count; the loss denominators are global counts
         adv = group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
-        zero_std = (r.max(1).values == r.min(1).values).repeat_interleave(G)  # (N,)
-        keep = torch.ones_like(zero_std)
-        if cfg.filter_zero_std:
-            keep &= ~zero_std
-        if cfg.mask_truncated:
-            keep &= ~trunc
-        lmask = (cmask & keep[:, None]).float()  # (N, Tc) loss mask
-        n_seqs, n_tokens = all_reduce_sum([keep.sum().item(), lmask.sum().item()], d)  # global counts
-        w = token_weights(lmask, cfg.loss, n_seqs, n_tokens, cfg.max_new_tokens) * W  # x W: DDP/FSDP average grads
+        lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std, cfg.mask_truncated)
+        n_seqs, n_tokens = torch.stack([keep.sum().float(), lmask.sum()]).tolist()
+        counts = all_reduce_named({"n_seqs": n_seqs, "n_tokens": n_tokens})
+        w = token_weights(lmask, cfg.loss, counts["n_seqs"], counts["n_tokens"], cfg.max_new_tokens)
+        w = w * W  # DDP / FSDP average gradients over ranks: x W makes it the global sum
         t2 = time.perf_counter()
 
-        # 5. policy update(s). Rows whose every weight is 0, or whose advantage is 0 without KL, add no gradient:
-        #    they are skipped, but every rank runs the same number of micro-batches (collectives must match).
-        model.train()
-        useful = (w.sum(1) > 0) & ((adv[:, 0] != 0) | (cfg.beta > 0))
-        train_rows = useful.nonzero()[:, 0].tolist()
-        row_prompts = [prompt_ids[mine[i // G]] for i in range(len(n_comp))]
-        inputs, targets, pos = training_batch(row_prompts, comp, n_comp, pad_id)
-        mb = cfg.train_micro_batch
-        n_micro = int(max(all_reduce_sum([math.ceil(len(train_rows) / mb)], d, op="max")[0], 1))
-        micro = [train_rows[k * mb : (k + 1) * mb] for k in range(n_micro)]
-        old = {}
-        if cfg.mu > 1 or cfg.beta > 0:  # old log-probs before the first update; reference log-probs for KL
-            with torch.no_grad():
-                for k, idx in enumerate(micro):
-                    ix = idx or [0]
-                    sl = _slice(inputs, targets, pos, ix)
-                    old[k] = completion_logprobs(model, *sl, cfg.temperature)[0] if cfg.mu > 1 else None
-                    old[("ref", k)] = completion_logprobs(ref, *sl, cfg.temperature)[0] if ref else None
-        acc = {"clip_low": 0.0, "clip_high": 0.0, "kl": 0.0, "entropy": 0.0, "gap": 0.0, "ntok": 0.0}
-        for update in range(cfg.mu):
-            for k, idx in enumerate(micro):
-                ix = idx or [0]  # a rank with nothing to train runs a zero-weight row to keep collectives in step
-                last = k == n_micro - 1
-                with _no_sync(model, last):
-                    logp, ent = completion_logprobs(model, *_slice(inputs, targets, pos, ix), cfg.temperature)
-                    old_logp = old[k] if cfg.mu > 1 else logp.detach()
-                    ref_logp = old.get(("ref", k))
-                    l, st = policy_loss(logp, old_logp, ref_logp, adv[ix], cfg.epsilon, cfg.epsilon_high, cfg.beta)
-                    wk = w[ix] if idx else torch.zeros_like(w[ix])
-                    (l * wk).sum().backward()
-                if update == 0 and idx:  # diagnostics on the first pass over the counted tokens
-                    m = lmask[ix]
-                    acc["ntok"] += m.sum().item()
-                    acc["entropy"] += (ent * m).sum().item()
-                    acc["gap"] += ((logp.detach() - slogp[ix]).abs() * m).sum().item()
-                    for key in ("clip_low", "clip_high", "kl"):
-                        acc[key] += (st[key] * m).sum().item() if key in st else 0.0
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        # 5. policy update(s)
+        row_prompts = [prompt_ids[i] for i in mine for _ in range(G)]
+        lengths = roll.lengths.tolist()
+        batch = training_batch(row_prompts, roll.tokens, lengths, pad_id)
+        seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
+        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, roll.logprobs, cfg, d, step)
         t3 = time.perf_counter()
         t_train += t3 - t0
 
-        # 6. metrics, reduced over ranks
-        comps = sorted(k for k in scores[0] if k != "reward")
-        sums = all_reduce_sum(
-            [len(scores), r.sum().item(), (r**2).sum().item(), zero_std.view(-1, G)[:, 0].sum().item(), r.shape[0],
-             sum(n_comp), trunc.sum().item(), acc["ntok"], acc["entropy"], acc["gap"], acc["clip_low"],
-             acc["clip_high"], acc["kl"]] + [sum(s[c] for s in scores) for c in comps], d)  # fmt: skip
-        # the slowest rank sets the pace: max over ranks for lengths, generation time and memory
-        len_max, t_gen, mem = all_reduce_sum([max(n_comp), t1 - t0, _peak_mem_mb(d.device)], d, op="max")
-        n, nt = sums[0], max(sums[7], 1)
-        mean_r = sums[1] / n
-        metrics = {
-            "step": step, "reward": mean_r, "reward_std": math.sqrt(max(sums[2] / n - mean_r**2, 0.0)),
-            **{c: sums[13 + j] / n for j, c in enumerate(comps)},
-            "frac_zero_std": sums[3] / sums[4], "clip_low": sums[10] / nt, "clip_high": sums[11] / nt,
-            "kl": sums[12] / nt, "entropy": sums[8] / nt, "len_mean": sums[5] / n, "len_max": len_max,
-            "truncated": sums[6] / n, "logprob_gap": sums[9] / nt, "t_generate": t_gen, "t_score": t2 - t1,
-            "t_train": t3 - t2, "tokens_per_s": sums[5] / (t3 - t0), "mem_peak_mb": mem,
-            "lr": lr, "grad_norm": grad_norm.item(), "elapsed_s": t_train,
-        }  # fmt: skip
+        # 6. metrics, reduced over ranks by name
+        times = {"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "step": t3 - t0}
+        metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, t_train, d)
         for i in range(min(cfg.log_samples, len(texts))):
             samples_log.write({"step": step, "prompt": prompt_text[mine[i // G]], "completion": texts[i], **scores[i]})
 
@@ -387,7 +463,7 @@ def main(argv=None):
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         print0(
-            f"step {step} | reward {mean_r:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
+            f"step {step} | reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
             f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train {t3 - t2:.2f}s"
             + (f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else "")
         )
@@ -414,10 +490,14 @@ def _pad(x: torch.Tensor, T: int, value) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
 
 
-def _slice(inputs, targets, pos, ix):
-    """Rows ix, cut to their longest real sequence (micro-batches of short rows cost less)."""
-    L = int((targets[ix] != -1).sum(1).max())
+def _slice(inputs, targets, pos, ix, L: int):
+    """Rows ix (a device tensor), cut to L columns (their longest real sequence)."""
     return inputs[ix, :L], targets[ix, :L].clamp(min=0), pos[ix].clamp(max=L - 1)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """FSDP2's clip_grad_norm_ returns a DTensor (the global norm, replicated): its local value."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 def _permutation_stream(n: int, seed: int):
@@ -444,14 +524,6 @@ def _no_sync(model, last: bool):
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(False)
     return nullcontext()
-
-
-def _peak_mem_mb(device) -> float:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 if __name__ == "__main__":

@@ -274,9 +274,10 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, -1:] if last_only else x).float()
-        # chunks over T, each recomputed in backward: neither pass holds (B, T, V) fp32 logits
+        # chunks over T, each recomputed in backward: neither pass holds (B, T, V) fp32 logits. (token_logp draws no
+        # random numbers, so the RNG states need no stashing for the recompute)
         step = max(1, LOGITS_CHUNK // (B * self.config.vocab_size))
-        out = [checkpoint(token_logp, h, t, self.lm_head, temperature, use_reentrant=False)
+        out = [checkpoint(token_logp, h, t, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
                for h, t in zip(x.split(step, dim=1), targets.split(step, dim=1))]
         return torch.cat([o[0] for o in out], dim=1), torch.cat([o[1] for o in out], dim=1)
 

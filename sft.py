@@ -57,13 +57,14 @@ from tqdm import tqdm
 import model as model_lib
 from common import (
     JsonlLogger,
-    all_reduce_sum,
+    all_reduce_named,
     any_rank,
     check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
     parse_config,
+    peak_mem_mb,
     print0,
     publish_model,
     resolve_model_dir,
@@ -147,13 +148,13 @@ def build_example(prompt_ids: list[int], target_ids: list[int], eos_id: int) -> 
     return ids, [-100] * len(prompt_ids) + target_ids + [eos_id]
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest example and shift: inputs (B, L-1), targets (B, L-1) with -100 on prompt/padding."""
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int, device="cpu"):
+    """Right-pad to the longest example and shift: inputs (B, L-1), targets (B, L-1) with -100 on prompt/padding,
+    built on the host and moved to `device` once."""
     L = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), L), -100, dtype=torch.long)
-    for i, (x, y) in enumerate(examples):
-        ids[i, : len(x)], labels[i, : len(y)] = torch.tensor(x), torch.tensor(y)
+    ids = [x + [pad_id] * (L - len(x)) for x, _ in examples]
+    labels = [y + [-100] * (L - len(y)) for _, y in examples]
+    ids, labels = torch.tensor(ids, device=device), torch.tensor(labels, device=device)
     return ids[:, :-1], labels[:, 1:]  # position t predicts token t + 1
 
 
@@ -274,25 +275,28 @@ def main(argv=None):
         n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the whole global batch (no communication needed)
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         model.train()
-        loss_sum, n_in = 0.0, 0
+        losses, n_in = [], 0  # per micro-batch summed token losses (on the device), input tokens (host count)
         for k in range(accum):
-            micro = mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]
-            inputs, targets = collate([examples[i] for i in micro], pad_id)  # (b, T) each
+            micro = [examples[i] for i in mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]]
+            inputs, targets = collate(micro, pad_id, d.device)  # (b, T) each, on the device
             with no_sync(model, k == accum - 1):
-                loss = sft_loss(model, inputs.to(d.device), targets.to(d.device))
+                loss = sft_loss(model, inputs, targets)
                 (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
-            loss_sum += loss.item()
-            n_in += int((inputs != pad_id).sum())
+            losses.append(loss.detach())
+            n_in += sum(len(ids) - 1 for ids, _ in micro)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
         check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, nothing of this step saved
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_sum, n_in = all_reduce_sum([loss_sum, n_in], d)
+        loss_sum = sum(torch.stack(losses).tolist())  # one device -> host copy
+        g = all_reduce_named({"loss": loss_sum, "n_in": n_in, "mem_peak_mb": peak_mem_mb(d.device)},
+                             {"mem_peak_mb": "max"})  # fmt: skip
         dt = time.perf_counter() - t0
         t_train += dt
-        metrics = {"step": step, "loss": loss_sum / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": n_in / dt, "elapsed_s": time.perf_counter() - t_start, "train_s": t_train}
+        metrics = {"step": step, "loss": g["loss"] / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
+                   "tokens_per_s": g["n_in"] / dt, "mem_peak_mb": g["mem_peak_mb"],
+                   "elapsed_s": time.perf_counter() - t_start, "train_s": t_train}
         out_of_time = cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d)
 
         # --- held-out eval (every rank takes part), early stop --------------------------------------------------------

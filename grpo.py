@@ -37,21 +37,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
+from checkpoint import check_finite, resume_point, save_checkpoint, start_or_resume
 from common import (
     JsonlLogger,
     all_reduce_sum,
     any_rank,
-    check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
     make_generator,
     parse_config,
     print0,
-    resume_point,
-    save_checkpoint,
     seed_all,
-    start_or_resume,
     stays_stopped,
     user_input,
     wrap_model,

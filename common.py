@@ -1,32 +1,18 @@
 """
 Shared plumbing for minigrpo's scripts (sft.py, grpo.py, eval.py), in one flat file:
 distributed setup from torchrun's env vars, config dataclass -> command-line flags, seeding,
-JSONL metrics, DDP / FSDP2 wrapping, metric all-reduce, the LR schedule and run-directory checkpoints.
-
-Run directory layout (one per training run):
-    run/config.json      resolved config of the run
-    run/metrics.jsonl    one JSON object per step (samples.jsonl: a few completions per step, grpo.py)
-    run/step_000200/     complete checkpoint: an HF model dir (config.json, model.safetensors, tokenizer files)
-                         + train_state.pt (full optimizer state, step, data position, ...) + rng_rank{r}.pt (one per
-                         rank) + run_config.json (the config that wrote it; --resume compares against it)
-    run/latest           name of the newest complete checkpoint, written last
-
-Checkpoints hold *full* (unsharded) state gathered on rank 0, not torch.distributed.checkpoint's sharded format:
-any world size and any of none/ddp/fsdp loads them, and a checkpoint is one plain directory that only rank 0 writes.
-The price is that rank 0 holds the whole optimizer state (2x the fp32 parameters) in CPU memory while saving: fine
-for the <= 1B-parameter models minigrpo trains; beyond that, DCP's sharded save is the next step.
+JSONL metrics, DDP / FSDP2 wrapping, metric all-reduce and the LR schedule.
+(The run directory and its checkpoints: checkpoint.py.)
 """
 
 import argparse
 import dataclasses
 import importlib.util
 import inspect
-import io
 import json
 import os
 import random
 import re
-import shutil
 import socket
 import sys
 import traceback
@@ -40,12 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as tdist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 # -----------------------------------------------------------------------------
 # distributed setup
@@ -398,302 +378,7 @@ def lr_at(step: int, warmup: int, total: int, peak: float, min_ratio: float = 0.
 
 
 # -----------------------------------------------------------------------------
-# checkpoints and resume
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, others get {}
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()),
-                                                   *np_state[2:]), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict):
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _gather_to_main(blob: bytes) -> list[bytes] | None:
-    """Every rank's bytes, in rank order, on rank 0 (None elsewhere)."""
-    if not is_dist():
-        return [blob]
-    out = [None] * tdist.get_world_size() if tdist.get_rank() == 0 else None
-    tdist.gather_object(blob, out, dst=0)
-    return out
-
-
-def _fault(point: str, step: int):
-    """Test hook, off unless the environment sets it: MINIGRPO_FAULT=after_tmp_write[@STEP] makes save_checkpoint
-    exit abruptly (os._exit, no cleanup, as under kill -9) once the checkpoint's files are written but not yet
-    published, so tests can check that a crash mid-save leaves the previous checkpoint the one a restart loads."""
-    want = os.environ.get("MINIGRPO_FAULT", "")
-    name, _, at = want.partition("@")
-    if name == point and (not at or int(at) == step):
-        print(f"MINIGRPO_FAULT={want}: exiting inside save_checkpoint of step {step}", file=sys.stderr, flush=True)
-        os._exit(86)
-
-
-def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | None, dist: Dist, *, optimizer=None,
-                    rank_state: dict | None = None, keep: int = 3, config: dict | None = None) -> Path:
-    """Write run_dir/step_{step:06d}/ atomically; every rank must call it (FSDP gathers the weights).
-    extra_state: dict shared by all ranks (data position, ...), saved in train_state.pt with `step`.
-    optimizer: gathered to a full state dict keyed by parameter name (correct for DDP and FSDP, loadable at any
-    world size; prefer it to putting opt.state_dict() in extra_state, which under FSDP would hold one shard).
-    rank_state: this rank's own dict (e.g. generator states), saved beside its global RNG states in rng_rank{r}.pt.
-    config: the run's resolved config, saved as run_config.json (what --resume checks a new run against).
-    Everything is gathered onto rank 0, which alone writes (no shared filesystem needed for saving): a temporary dir,
-    fsynced, renamed into place; `latest` is updated last; then all but the newest `keep` checkpoints are deleted.
-    A crash at any instant leaves the previous checkpoint loadable."""
-    import model as model_lib
-
-    run_dir = Path(run_dir)
-    name = f"step_{step:06d}"
-    final, tmp = run_dir / name, run_dir / f".tmp_{name}"
-    # collectives first (every rank): the full optimizer state and every rank's RNG states, gathered onto rank 0
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=_FULL) if optimizer is not None else None
-    # (serialized here: gather_object's own pickling of tensors fails in torch 2.13; rank 0 writes the bytes as is)
-    buf = io.BytesIO()
-    torch.save({"rng": _rng_state(), **(rank_state or {})}, buf)
-    rank_states = _gather_to_main(buf.getvalue())
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    model_lib.save_model(model, tmp, tokenizer)  # every rank: FSDP gathers each tensor; rank 0 writes
-    if dist.is_main:
-        for r, blob in enumerate(rank_states):
-            (tmp / f"rng_rank{r}.pt").write_bytes(blob)
-        if config is not None:
-            (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-        torch.save({"step": step, "world_size": dist.world_size, "optimizer": optim_sd, **(extra_state or {})},
-                   tmp / "train_state.pt")
-        _fault("after_tmp_write", step)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        old = run_dir / f".old_{name}"
-        if final.exists():  # re-saving the same step: move the old copy aside, then delete it
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(run_dir)
-        _write_latest(run_dir, name)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in sorted(run_dir.glob("step_*"))[:-keep] if keep > 0 else []:
-            if stale.name != name:
-                _remove_dir(stale)
-    barrier()
-    return final
-
-
-def _write_latest(run_dir: Path, name: str):
-    """The pointer: tmp file + fsync + rename, so it always names a complete checkpoint."""
-    with open(run_dir / "latest.tmp", "w") as fh:
-        fh.write(name + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(run_dir / "latest.tmp", run_dir / "latest")
-    _fsync_dir(run_dir)
-
-
-def _remove_dir(path: Path):
-    """Rename, then delete: a crash midway leaves a .del_* dir, never a step_* dir with files missing."""
-    doomed = path.with_name(f".del_{path.name}")
-    path.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def publish_model(ckpt_dir, dst):
-    """Rank 0: make dst a plain HF model dir holding the checkpoint's model files (hard links when possible, so no
-    extra disk), replaced atomically (tmp dir + rename)."""
-    ckpt_dir, dst = Path(ckpt_dir), Path(dst)
-    tmp = dst.with_name(f".tmp_{dst.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in ckpt_dir.iterdir():
-        # train_state.pt / rng_rank*.pt / run_config.json are training state, not the model
-        if f.is_file() and f.suffix != ".pt" and f.name != "run_config.json":
-            try:
-                os.link(f, tmp / f.name)
-            except OSError:
-                shutil.copy2(f, tmp / f.name)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
-
-
-def find_latest(run_dir) -> Path | None:
-    """Newest complete checkpoint of a run dir: the one `latest` names, else the highest complete step_* dir."""
-    run_dir = Path(run_dir)
-    pointer = run_dir / "latest"
-    if pointer.is_file():
-        ckpt = run_dir / pointer.read_text().strip()
-        if (ckpt / "train_state.pt").is_file():
-            return ckpt
-    done = [d for d in sorted(run_dir.glob("step_*")) if (d / "train_state.pt").is_file()]
-    return done[-1] if done else None
-
-
-def resolve_model_dir(path) -> Path:
-    """An HF model dir as given, or a run dir's newest checkpoint (so `--model runs/sft` works)."""
-    path = Path(path)
-    if not (path / "config.json").is_file() or (path / "latest").is_file():
-        ckpt = find_latest(path)
-        if ckpt is not None:
-            return ckpt
-    return path
-
-
-def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dict, dict]:
-    """Load weights (+ optimizer state) into the (possibly wrapped) model and restore this rank's RNG states.
-    Returns (train_state, rank_state). Loading never unpickles code (safetensors + weights_only=True).
-    A rank the checkpoint has no RNG file for (it was saved by fewer ranks) keeps its seeded RNG states."""
-    import model as model_lib
-
-    ckpt_dir = Path(ckpt_dir)
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_lib.load_model(ckpt_dir).state_dict(), options=full)
-    # map_location: a checkpoint is CPU tensors whatever device wrote it; set_*_state_dict copies them where they go
-    train_state = torch.load(ckpt_dir / "train_state.pt", map_location="cpu", weights_only=True)
-    if optimizer is not None and train_state.get("optimizer") is not None:
-        set_optimizer_state_dict(model, optimizer, train_state["optimizer"], options=full)
-    rank_state = {}
-    rng_file = ckpt_dir / f"rng_rank{dist.rank}.pt"
-    if rng_file.is_file():
-        rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)
-        _set_rng_state(rank_state.pop("rng"))
-    return train_state, rank_state
-
-
-def _has_run(out: Path) -> bool:
-    metrics = out / "metrics.jsonl"
-    return (out / "latest").exists() or any(out.glob("step_*")) or (metrics.is_file() and metrics.stat().st_size > 0)
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, str) and isinstance(b, str) and ("/" in a or "/" in b):  # paths: runs/x/ == runs/x
-        return os.path.normpath(a) == os.path.normpath(b)
-    return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
-
-
-def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
-    """The checkpoint this run continues from, per cfg.resume; checked before anything is loaded or written.
-      auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
-      none: None; refuses an out_dir that already holds a run (checkpoints or metrics) unless cfg.overwrite.
-      PATH: that checkpoint dir, or the newest checkpoint of that run dir.
-    cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
-    A checkpoint written by a run whose config differs in a `must_match` field (model, data, batch shape: what
-    makes continuing it meaningless) is refused with every difference listed; other changes are printed."""
-    out = Path(cfg.out_dir)
-    if cfg.overwrite and cfg.resume not in ("auto", "none"):
-        raise SystemExit(f"error: --overwrite starts over in --out_dir {out}; it cannot go with --resume {cfg.resume}")
-    if cfg.resume == "none" or cfg.overwrite:
-        if _has_run(out) and not cfg.overwrite:
-            raise SystemExit(f"error: --out_dir {out} already holds a run (checkpoints or metrics.jsonl): continue it "
-                             "with --resume auto, or delete it and start over with --overwrite")
-        return None
-    if cfg.resume == "auto":
-        ckpt = find_latest(out) if out.is_dir() else None
-        if ckpt is None:
-            if _has_run(out):  # killed before its first checkpoint: nothing to continue from
-                print0(f"{out}: no complete checkpoint to resume from; starting from step 0")
-            return None
-    else:
-        path = Path(cfg.resume)
-        if not path.is_dir():
-            raise SystemExit(f"error: --resume {path}: no such checkpoint or run directory")
-        ckpt = path if (path / "train_state.pt").is_file() else find_latest(path)
-        if ckpt is None:
-            raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no train_state.pt) nor a run "
-                             "directory holding one")
-    saved_file = ckpt / "run_config.json" if (ckpt / "run_config.json").is_file() else ckpt.parent / "config.json"
-    try:
-        saved = json.loads(saved_file.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
-    now = dataclasses.asdict(cfg)
-    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
-    diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in must_match]
-    if diffs:
-        raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
-                         f"{'; '.join(diffs)}. Use the old values, or start a new run (another --out_dir, or "
-                         "--overwrite)")
-    if changed:
-        print0(f"resuming with changed flags: {', '.join(f'--{k} {saved[k]} -> {now[k]}' for k in changed)}")
-    return ckpt
-
-
-def truncate_jsonl(path, step: int):
-    """Keep the rows of a per-step JSONL log with row["step"] <= step, byte for byte, and drop a torn last line
-    (a crash mid-write), so a resumed run's log reads as one uninterrupted run. Atomic (tmp file + rename)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            keep.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
-
-
-def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
-                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
-    """Load the checkpoint resume_point chose (weights, optimizer, this rank's RNG states) or start fresh, then
-    ready cfg.out_dir (rank 0): delete the old run (--overwrite) and leftovers of interrupted saves, cut the logs back
-    to the resumed step, drop checkpoints newer than it (an abandoned future), write config.json.
-    Returns the train state: {"step": 0} when fresh, else what save_checkpoint stored (step, data position, ...)."""
-    out = Path(cfg.out_dir)
-    state = {"step": 0}
-    if ckpt is not None:
-        try:
-            state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
-        except (OSError, ValueError, RuntimeError, EOFError) as e:
-            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {' '.join(str(e).split())}") from None
-        saved_world = state.get("world_size", dist.world_size)
-        print0(f"resuming from {ckpt} at step {state['step']}"
-               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
-                  "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
-    if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
-        if cfg.overwrite:
-            if _has_run(out):
-                print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*out.glob("step_*"), out / "model", out / "tb", out / "wandb"]
-            for f in ("latest", "config.json", "wandb_run_id", *logs):
-                (out / f).unlink(missing_ok=True)
-        newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
-        if newer:
-            print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")
-        for d in doomed + newer:
-            shutil.rmtree(d, ignore_errors=True)
-        if ckpt is not None and ckpt.parent.resolve() == out.resolve():
-            _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
-        for f in logs:
-            truncate_jsonl(out / f, state["step"])
-        save_json(out / "config.json", dataclasses.asdict(cfg))
-    barrier()
-    return state
+# training-loop helpers
 
 
 def any_rank(flag: bool, dist: Dist) -> bool:
@@ -711,20 +396,6 @@ def stays_stopped(state: dict, max_minutes: float) -> bool:
         print0(f"the run stopped early at step {state['step']} ({'--max_minutes' if reason == 'time' else reason}): "
                "nothing left to train (a larger --max_minutes continues a timed-out run; --overwrite starts over)")
     return bool(reason)
-
-
-def check_finite(step: int, grad_norm, out_dir) -> None:
-    """Stop the run at a non-finite loss/gradient, before the optimizer step writes NaN into the weights: nothing of
-    this step is saved, and the newest checkpoint stays the one a restart continues from. (grad_norm is the global
-    norm, the same on every rank, so every rank stops together.)"""
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-    if torch.isfinite(grad_norm):
-        return
-    ckpt = find_latest(out_dir)
-    where = f"the newest checkpoint, {ckpt}, is intact" if ckpt else "no checkpoint was written"
-    raise SystemExit(f"error: step {step}: the loss or its gradient is not finite (grad norm {grad_norm.item()}); "
-                     f"stopped before the update, nothing of this step was saved and {where}. Lower --lr (or check "
-                     "the data) and restart")
 
 
 @contextmanager

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as tdist
 
 import rewards
+from checkpoint import resolve_model_dir
 from common import (
     JsonlLogger,
     all_gather_list,
@@ -41,7 +42,6 @@ from common import (
     make_generator,
     parse_config,
     print0,
-    resolve_model_dir,
     save_json,
 )
 from data import format_prompt, load_task, parse_knobs

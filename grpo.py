@@ -37,12 +37,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
+from checkpoint import check_finite, resume_point, save_checkpoint, start_or_resume
 from common import (
     Dist,
     JsonlLogger,
     all_reduce_named,
     any_rank,
-    check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -50,10 +50,7 @@ from common import (
     parse_config,
     peak_mem_mb,
     print0,
-    resume_point,
-    save_checkpoint,
     seed_all,
-    start_or_resume,
     stays_stopped,
     user_input,
     wrap_model,

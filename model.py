@@ -15,6 +15,7 @@ Llama `attention_bias`/`mlp_bias` options): such configs are rejected with an er
 
 import json
 import math
+import os
 import string
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -334,24 +335,59 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
     return model
 
 
-def save_model(model, path, tokenizer=None) -> None:
-    """Writes an HF model directory. DDP and FSDP2 models work; with FSDP2 every rank must call (rank 0 writes)."""
+def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None:
+    """Writes an HF model directory: config.json, the weights in safetensors files of at most max_file_bytes
+    (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json) and the tokenizer.
+    DDP and FSDP2 models work; every rank must call it. Under FSDP2 each tensor is gathered in turn, so no rank
+    holds the whole model; rank 0 alone writes, holding at most one file's tensors."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    state = {}
-    for k, v in model.state_dict().items():
-        v = v.full_tensor() if isinstance(v, DTensor) else v  # FSDP2 shards: gather (a collective)
-        if not (k == "lm_head.weight" and model.config.tie_word_embeddings):  # HF re-ties on load
-            state[k if k == "lm_head.weight" else "model." + k] = v.detach().cpu().contiguous()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    tied = model.config.tie_word_embeddings
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}  # HF re-ties
+    files = [[]]  # tensor names per file, in order, each file <= max_file_bytes (or one tensor larger)
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()  # global size, also for a DTensor shard
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(k)
+        size += nbytes
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_hf() | {"torch_dtype": str(state["model.embed_tokens.weight"].dtype).removeprefix("torch.")}
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (path / "model.safetensors.index.json").unlink(missing_ok=True)  # a stale shard index would win on load
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    if tokenizer is not None:
+    if main:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)  # an old file or shard index would mix with the new weights on load
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        cfg = model.config.to_hf() | {"torch_dtype": dtype}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for keys, name in zip(files, names):
+        part = {}
+        for k in keys:
+            v = state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]  # FSDP2: a collective
+            if main:
+                part[_hf_name(k)] = v.detach().cpu().contiguous()
+        if main:
+            save_file(part, path / name, metadata={"format": "pt"})
+            _fsync(path / name)
+    if main and len(files) > 1:
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        weight_map = {_hf_name(k): name for keys, name in zip(files, names) for k in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if main and tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def _hf_name(key: str) -> str:
+    return key if key == "lm_head.weight" else "model." + key  # HF nests all but the head in .model
+
+
+def _fsync(path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def load_tokenizer(path):

@@ -28,8 +28,9 @@
 # the node index from srun --label). Only global rank 0 prints progress; any rank prints its own errors.
 #
 # Assumptions: every node sees the repo, the model, the data and --out_dir at the same paths (a shared filesystem).
-# Only global rank 0 writes (metrics, config.json, samples, checkpoints: the other ranks' RNG states are gathered to
-# it), but every rank reads --init / --model and, on resume, the checkpoint. Global ranks are assigned by
+# Global rank 0 writes metrics, config.json, samples and a checkpoint's HF model files; every rank writes its own
+# shard of a checkpoint's training state into --out_dir, reads --init / --model and, on resume, its shard of the
+# checkpoint (checkpoint.py). Global ranks are assigned by
 # the rendezvous (nodes sorted by host name), so global rank 0 need not be on NODE_RANK 0. For gsm8k/math, pass
 # --data_path to a local file: hub downloads from every rank at once are slow and race in a shared cache.
 #

@@ -55,23 +55,18 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
+from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
 from common import (
     JsonlLogger,
     all_reduce_named,
     any_rank,
-    check_finite,
     cleanup_dist,
     init_dist,
     lr_at,
     parse_config,
     peak_mem_mb,
     print0,
-    publish_model,
-    resolve_model_dir,
-    resume_point,
-    save_checkpoint,
     seed_all,
-    start_or_resume,
     stays_stopped,
     unwrap_model,
     user_input,

@@ -152,13 +152,14 @@ def test_resume_errors(dirs, run_dir, tmp_path):
     assert resume_fails(dirs, run_dir, ["--resume", str(tmp_path / "nope")]) == (
         f"error: --resume {tmp_path}/nope: no such checkpoint or run directory")
     assert resume_fails(dirs, run_dir, ["--resume", str(dirs / "good")]) == (
-        f"error: --resume {dirs}/good: not a complete checkpoint (no train_state.pt) nor a run directory holding one")
+        f"error: --resume {dirs}/good: not a complete checkpoint (no progress.json) nor a run directory holding one")
     assert resume_fails(dirs, run_dir, ["--resume", str(run_dir / "step_000001"), "--overwrite"]) == (
         f"error: --overwrite starts over in --out_dir {run_dir}; it cannot go with --resume {run_dir}/step_000001")
-    # a checkpoint whose train_state.pt was damaged after the fact (disk trouble, a bad copy)
+    # a checkpoint whose training state was damaged after the fact (disk trouble, a bad copy)
     broken = tmp_path / "broken"
     shutil.copytree(run_dir / "step_000001", broken)
-    (broken / "train_state.pt").write_bytes((broken / "train_state.pt").read_bytes()[:1000])
+    shard = broken / "train_state" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     msg = resume_fails(dirs, run_dir, ["--resume", str(broken)])
     assert msg.startswith(f"error: cannot load checkpoint {broken}: ") and "\n" not in msg, msg
 

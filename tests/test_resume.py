@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import common
+import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -125,10 +126,23 @@ def assert_same_run(ref: Path, got: Path, final: str = "step_000006"):
     assert latest(ref) == latest(got) == final
     wa, wb = load_file(ref / final / "model.safetensors"), load_file(got / final / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa, ob = (torch.load(d / final / "train_state.pt", weights_only=True)["optimizer"] for d in (ref, got))
-    for name, sa in oa["state"].items():
-        for k, v in sa.items():
-            assert torch.equal(v, ob["state"][name][k]), (name, k)
+    sa, sb = (train_state(d / final) for d in (ref, got))  # weights and optimizer state, every tensor
+    assert sa.keys() == sb.keys() == {"model", "optimizer"}
+    for part in sa:
+        assert sa[part].keys() == sb[part].keys()
+        for name, v in sa[part].items():
+            for k, t in (v.items() if isinstance(v, dict) else [("", v)]):
+                assert torch.equal(t, sb[part][name][k] if k else sb[part][name]), (part, name, k)
+
+
+def train_state(ckpt: Path) -> dict:
+    """A checkpoint's sharded training state as full tensors, read by DCP's own converter (not checkpoint.py)."""
+    out = ckpt.parent.parent / f"{ckpt.parent.name}_{ckpt.name}_{uuid.uuid4().hex[:6]}.pt"
+    dcp_to_torch_save(ckpt / checkpoint.TRAIN_STATE, out)
+    try:
+        return torch.load(out, weights_only=True)
+    finally:
+        out.unlink()
 
 
 def resumed_from(text: str) -> str:
@@ -190,7 +204,7 @@ def test_grpo_fsdp_crash_inside_save_resumes_from_previous_checkpoint(tiny_dir, 
     text = job.finish()
     assert job.proc.returncode != 0 and "MINIGRPO_FAULT=after_tmp_write@4" in text, text[-3000:]
     # the step-4 checkpoint was fully written but never published: `latest` still names step 2 ...
-    assert latest(out) == "step_000002" and (out / ".tmp_step_000004" / "train_state.pt").is_file()
+    assert latest(out) == "step_000002" and (out / ".tmp_step_000004" / checkpoint.PROGRESS).is_file()
     assert not (out / "step_000004").exists()
     assert [m["step"] for m in rows(out / "metrics.jsonl")] == [1, 2, 3, 4]  # ... while step 3 and 4 were logged
     text = run(args, out)
@@ -224,15 +238,15 @@ def test_truncate_jsonl_keeps_rows_up_to_the_step_byte_for_byte(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 1, "loss": 0.5}', '{"step": 2, "loss": 0.25000000001}', '{"step": 3, "loss": 0.1}']
     path.write_text("\n".join(lines) + '\n{"step": 4, "lo')  # a torn last line: killed mid-write
-    common.truncate_jsonl(path, 2)
+    checkpoint.truncate_jsonl(path, 2)
     assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
-    common.truncate_jsonl(path, 0)
+    checkpoint.truncate_jsonl(path, 0)
     assert path.read_text() == ""
 
 
 def test_rewind_with_resume_path_drops_the_abandoned_future(grpo_ddp_ref, tmp_path):
     """--resume PATH to an older checkpoint of the same run continues from it, in one process: a world-size change
-    loads (full-state checkpoints), newer checkpoints and log rows go, `latest` names the checkpoint resumed from."""
+    loads (DCP reshards), newer checkpoints and log rows go, `latest` names the checkpoint resumed from."""
     import shutil
 
     import grpo
@@ -243,4 +257,4 @@ def test_rewind_with_resume_path_drops_the_abandoned_future(grpo_ddp_ref, tmp_pa
     grpo.main(argv + ["--resume", str(out / "step_000004"), "--steps", "5"])
     assert [m["step"] for m in rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     assert sorted(p.name for p in out.glob("step_*")) == ["step_000004", "step_000005"] and latest(out) == "step_000005"
-    assert torch.load(out / "step_000005" / "train_state.pt", weights_only=True)["world_size"] == 1
+    assert json.loads((out / "step_000005" / checkpoint.PROGRESS).read_text())["world_size"] == 1

@@ -1,0 +1,436 @@
+"""
+The run directory's lifecycle: which checkpoint a run continues from, loading it, saving new ones atomically,
+pruning old ones, cutting the logs back on resume and publishing the final model. The only module that knows
+a checkpoint's file names and state keys.
+
+    ckpt = resume_point(cfg, dist, must_match)             # before anything is loaded or written
+    state = start_or_resume(ckpt, cfg, model, opt, dist)   # {"step": 0} fresh, else the saved progress
+    ...
+    save_checkpoint(cfg.out_dir, step, model, tok, {"t_train": t}, dist, optimizer=opt, config=asdict(cfg))
+    publish_model(find_latest(cfg.out_dir), out / "model")  # rank 0: a plain HF model dir
+
+One run directory:
+    run/config.json          resolved config of the run
+    run/metrics.jsonl        one JSON object per step (samples.jsonl: a few completions per step, grpo.py)
+    run/step_000200/         a complete checkpoint:
+        config.json, model*.safetensors, tokenizer files   the weights as an HF model dir (eval.py, transformers)
+        train_state/         model + optimizer state in torch.distributed.checkpoint's (DCP) format, one file per rank
+        rng_rank{r}.pt       rank r's RNG states (python, numpy, torch, cuda) + its own extras, one file per rank
+        progress.json        step, world size, data position, clock, ...: written last, the mark of a complete one
+        run_config.json      the config that wrote it (what --resume compares a new run against)
+    run/latest               name of the newest complete checkpoint, written last
+
+Sharded: under FSDP2 each rank writes and reads only its own shard of the weights and the optimizer state
+(under DDP the replicated tensors are split among the ranks for writing); no rank ever builds the full state. DCP
+reshards on load, so a checkpoint written by N ranks loads on M ranks under none, DDP or FSDP2. The HF weights are a
+second copy, for eval.py / transformers / --init: gathered one tensor at a time, written by rank 0 in files of at
+most 2 GiB (model.save_model). Only tensors go into train_state/: optimizer hyperparameters come from the flags of
+the resumed run (the LR from its schedule), and DCP's pickled metadata file is read through an allowlist.
+
+Atomic: everything is written into run/.tmp_step_N/, fsynced, renamed to run/step_N/, and `latest` is updated last;
+a crash at any instant leaves the previous checkpoint the newest complete one. Several nodes need the run directory
+on a shared filesystem (each rank writes its own files into it). DCP does not promise to read checkpoints written
+by another torch version: resume with the torch that wrote them (the HF weights load anywhere).
+"""
+
+import dataclasses
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import model as model_lib
+from common import Dist, barrier, is_dist, print0, save_json, unwrap_model
+
+# the names a checkpoint dir holds besides the HF model files
+TRAIN_STATE = "train_state"  # DCP dir: {"model": weights, "optimizer": AdamW moments and step counts}
+PROGRESS = "progress.json"  # step, world_size + the script's own progress (data position, clock, ...)
+RUN_CONFIG = "run_config.json"
+RNG = "rng_rank{}.pt"
+TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not part of the HF model dir
+
+# DCP warns on every save/load in a plain `python script.py` run that it assumes one process: it is right
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# -----------------------------------------------------------------------------
+# finding checkpoints
+
+
+def find_latest(run_dir) -> Path | None:
+    """Newest complete checkpoint of a run dir: the one `latest` names, else the highest complete step_* dir."""
+    run_dir = Path(run_dir)
+    pointer = run_dir / "latest"
+    if pointer.is_file():
+        ckpt = run_dir / pointer.read_text().strip()
+        if is_checkpoint(ckpt):
+            return ckpt
+    done = [d for d in sorted(run_dir.glob("step_*")) if is_checkpoint(d)]
+    return done[-1] if done else None
+
+
+def is_checkpoint(path) -> bool:
+    return (Path(path) / PROGRESS).is_file()
+
+
+def resolve_model_dir(path) -> Path:
+    """An HF model dir as given, or a run dir's newest checkpoint (so `--model runs/sft` works)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or (path / "latest").is_file():
+        ckpt = find_latest(path)
+        if ckpt is not None:
+            return ckpt
+    return path
+
+
+# -----------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | None, dist: Dist, *, optimizer=None,
+                    rank_state: dict | None = None, keep: int = 3, config: dict | None = None) -> Path:
+    """Write run_dir/step_{step:06d}/ atomically; every rank must call it (each writes its shard).
+    extra_state: the run's progress shared by all ranks (data position, clock, ...), JSON-able; saved with `step`.
+    rank_state: this rank's own tensors/numbers (e.g. generator states), saved beside its RNG states.
+    config: the run's resolved config (what --resume checks a new run against).
+    Then all but the newest `keep` checkpoints are deleted."""
+    run_dir = Path(run_dir)
+    name = f"step_{step:06d}"
+    final, tmp = run_dir / name, run_dir / f".tmp_{name}"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    # every rank: its RNG file, its shard of the training state, its part in gathering the HF weights
+    _write_fsynced(tmp / RNG.format(dist.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
+    state, _ = _train_state(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
+    model_lib.save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
+    barrier()  # every rank's files are written and fsynced
+    if dist.is_main:
+        if config is not None:
+            _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
+        progress = {"step": step, "world_size": dist.world_size, **(extra_state or {})}
+        _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
+        _fault("after_tmp_write", step)
+        for d in (tmp / TRAIN_STATE, tmp):
+            _fsync_dir(d)
+        old = run_dir / f".old_{name}"
+        if final.exists():  # re-saving the same step: move the old copy aside, then delete it
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(run_dir)
+        _write_latest(run_dir, name)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in sorted(run_dir.glob("step_*"))[:-keep] if keep > 0 else []:
+            if stale.name != name:
+                _remove_dir(stale)
+    barrier()
+    return final
+
+
+def _train_state(model, optimizer) -> tuple[dict, dict | None]:
+    """What train_state/ holds, {"model": weights, "optimizer": per-parameter state}, keyed by parameter name (DDP's
+    "module." stripped; a tied lm_head.weight left out) and as this rank holds them: DTensor shards under FSDP2,
+    whole tensors otherwise; tensors only (an optimizer's param_groups, its hyperparameters, are not saved). Also
+    returns the optimizer's full state dict, whose "state" is the same tensors. Loading reads into these tensors."""
+    state, optim_sd = {"model": get_model_state_dict(model)}, None
+    if unwrap_model(model).config.tie_word_embeddings:  # one tensor under two names: keep one
+        del state["model"]["lm_head.weight"]
+    if optimizer is not None:
+        optim_sd = get_optimizer_state_dict(model, optimizer)  # a fresh optimizer gets zero moments first
+        state["optimizer"] = optim_sd["state"]
+    return state, optim_sd
+
+
+def _write_fsynced(path: Path, write):
+    with open(path, "wb" if path.suffix == ".pt" else "w") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, indent=2, default=str) + "\n"
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(run_dir: Path, name: str):
+    """The pointer: tmp file + fsync + rename, so it always names a complete checkpoint."""
+    _write_fsynced(run_dir / "latest.tmp", lambda f: f.write(name + "\n"))
+    os.replace(run_dir / "latest.tmp", run_dir / "latest")
+    _fsync_dir(run_dir)
+
+
+def _remove_dir(path: Path):
+    """Rename, then delete: a crash midway leaves a .del_* dir, never a step_* dir with files missing."""
+    doomed = path.with_name(f".del_{path.name}")
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fault(point: str, step: int):
+    """Test hook, off unless the environment sets it: MINIGRPO_FAULT=after_tmp_write[@STEP] makes save_checkpoint
+    exit abruptly (os._exit, no cleanup, as under kill -9) once the checkpoint's files are written but not yet
+    published, so tests can check that a crash mid-save leaves the previous checkpoint the one a restart loads."""
+    want = os.environ.get("MINIGRPO_FAULT", "")
+    name, _, at = want.partition("@")
+    if name == point and (not at or int(at) == step):
+        print(f"MINIGRPO_FAULT={want}: exiting inside save_checkpoint of step {step}", file=sys.stderr, flush=True)
+        os._exit(86)
+
+
+def publish_model(ckpt_dir, dst):
+    """Rank 0: make dst a plain HF model dir holding the checkpoint's model files (hard links when possible, so no
+    extra disk), replaced atomically (tmp dir + rename)."""
+    ckpt_dir, dst = Path(ckpt_dir), Path(dst)
+    tmp = dst.with_name(f".tmp_{dst.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in ckpt_dir.iterdir():
+        if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
+            continue  # training state, not the model
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+
+
+# -----------------------------------------------------------------------------
+# load
+
+
+def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dict, dict]:
+    """Load weights (+ optimizer state) into the (possibly wrapped) model, each rank reading its own shard, and
+    restore this rank's RNG states. Returns (progress, rank_state). A rank the checkpoint has no RNG file for (it
+    was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
+    metadata classes (tensors load with weights_only=True)."""
+    ckpt_dir = Path(ckpt_dir)
+    progress = json.loads((ckpt_dir / PROGRESS).read_text())
+    state, optim_sd = _train_state(model, optimizer)
+    dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), no_dist=not is_dist())
+    if unwrap_model(model).config.tie_word_embeddings:
+        state["model"]["lm_head.weight"] = state["model"]["embed_tokens.weight"]
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:  # the loaded moments with the current hyperparameters
+        set_optimizer_state_dict(model, optimizer, optim_sd)
+    rank_state = {}
+    rng_file = ckpt_dir / RNG.format(dist.rank)
+    if rng_file.is_file():
+        rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors whoever wrote it
+        _set_rng_state(rank_state.pop("rng"))
+    return progress, rank_state
+
+
+# what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)},
+    "pathlib": {"PosixPath", "WindowsPath", "Path"},
+}
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name not in _METADATA_CLASSES.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, reading the .metadata pickle through the allowlist above."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _AllowlistUnpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()),
+                                                   *np_state[2:]), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -----------------------------------------------------------------------------
+# resume: which checkpoint, then load it and ready the run directory
+
+
+def _has_run(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return (out / "latest").exists() or any(out.glob("step_*")) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) and isinstance(b, str) and ("/" in a or "/" in b):  # paths: runs/x/ == runs/x
+        return os.path.normpath(a) == os.path.normpath(b)
+    return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
+
+
+def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
+    """The checkpoint this run continues from, per cfg.resume; checked before anything is loaded or written.
+      auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
+      none: None; refuses an out_dir that already holds a run (checkpoints or metrics) unless cfg.overwrite.
+      PATH: that checkpoint dir, or the newest checkpoint of that run dir.
+    cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
+    A checkpoint written by a run whose config differs in a `must_match` field (model, data, batch shape: what
+    makes continuing it meaningless) is refused with every difference listed; other changes are printed."""
+    out = Path(cfg.out_dir)
+    if cfg.overwrite and cfg.resume not in ("auto", "none"):
+        raise SystemExit(f"error: --overwrite starts over in --out_dir {out}; it cannot go with --resume {cfg.resume}")
+    if cfg.resume == "none" or cfg.overwrite:
+        if _has_run(out) and not cfg.overwrite:
+            raise SystemExit(f"error: --out_dir {out} already holds a run (checkpoints or metrics.jsonl): continue it "
+                             "with --resume auto, or delete it and start over with --overwrite")
+        return None
+    if cfg.resume == "auto":
+        ckpt = find_latest(out) if out.is_dir() else None
+        if ckpt is None:
+            if _has_run(out):  # killed before its first checkpoint: nothing to continue from
+                print0(f"{out}: no complete checkpoint to resume from; starting from step 0")
+            return None
+    else:
+        path = Path(cfg.resume)
+        if not path.is_dir():
+            raise SystemExit(f"error: --resume {path}: no such checkpoint or run directory")
+        ckpt = path if is_checkpoint(path) else find_latest(path)
+        if ckpt is None:
+            raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no {PROGRESS}) nor a run "
+                             "directory holding one")
+    saved_file = ckpt / RUN_CONFIG if (ckpt / RUN_CONFIG).is_file() else ckpt.parent / "config.json"
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
+    now = dataclasses.asdict(cfg)
+    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
+    diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in must_match]
+    if diffs:
+        raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
+                         f"{'; '.join(diffs)}. Use the old values, or start a new run (another --out_dir, or "
+                         "--overwrite)")
+    if changed:
+        print0(f"resuming with changed flags: {', '.join(f'--{k} {saved[k]} -> {now[k]}' for k in changed)}")
+    return ckpt
+
+
+def truncate_jsonl(path, step: int):
+    """Keep the rows of a per-step JSONL log with row["step"] <= step, byte for byte, and drop a torn last line
+    (a crash mid-write), so a resumed run's log reads as one uninterrupted run. Atomic (tmp file + rename)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            keep.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
+def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
+                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
+    """Load the checkpoint resume_point chose (weights, optimizer, this rank's RNG states) or start fresh, then
+    ready cfg.out_dir (rank 0): delete the old run (--overwrite) and leftovers of interrupted saves, cut the logs back
+    to the resumed step, drop checkpoints newer than it (an abandoned future), write config.json.
+    Returns the progress: {"step": 0} when fresh, else what save_checkpoint stored (step, data position, ...)."""
+    out = Path(cfg.out_dir)
+    state = {"step": 0}
+    if ckpt is not None:
+        try:
+            state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
+        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError,
+                dcp.CheckpointException) as e:  # fmt: skip
+            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
+        saved_world = state.get("world_size", dist.world_size)
+        print0(f"resuming from {ckpt} at step {state['step']}"
+               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
+                  "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
+        if cfg.overwrite:
+            if _has_run(out):
+                print0(f"--overwrite: deleting the previous run in {out}")
+            doomed += [*out.glob("step_*"), out / "model", out / "tb", out / "wandb"]
+            for f in ("latest", "config.json", "wandb_run_id", *logs):
+                (out / f).unlink(missing_ok=True)
+        newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
+        if newer:
+            print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")
+        for d in doomed + newer:
+            shutil.rmtree(d, ignore_errors=True)
+        if ckpt is not None and ckpt.parent.resolve() == out.resolve():
+            _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
+        for f in logs:
+            truncate_jsonl(out / f, state["step"])
+        save_json(out / "config.json", dataclasses.asdict(cfg))
+    barrier()
+    return state
+
+
+def _one_line(e: BaseException) -> str:
+    """DCP wraps a rank's error in a CheckpointException whose text is a traceback: keep its last line."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # rank -> (exception, traceback)
+    return " ".join(str(e).split())
+
+
+def check_finite(step: int, grad_norm, out_dir) -> None:
+    """Stop the run at a non-finite loss/gradient, before the optimizer step writes NaN into the weights: nothing of
+    this step is saved, and the newest checkpoint stays the one a restart continues from. (grad_norm is the global
+    norm, the same on every rank, so every rank stops together.)"""
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    if torch.isfinite(grad_norm):
+        return
+    ckpt = find_latest(out_dir)
+    where = f"the newest checkpoint, {ckpt}, is intact" if ckpt else "no checkpoint was written"
+    raise SystemExit(f"error: step {step}: the loss or its gradient is not finite (grad norm {grad_norm.item()}); "
+                     f"stopped before the update, nothing of this step was saved and {where}. Lower --lr (or check "
+                     "the data) and restart")

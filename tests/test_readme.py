@@ -1,6 +1,6 @@
-"""The README's flag reference is each script's own `--help`, kept in sync by this test.
+"""docs/flags.md is each script's own `--help`, kept in sync by this test.
 
-    python tests/test_readme.py    # rewrite the README's flag section from the scripts' --help
+    python tests/test_readme.py    # rewrite docs/flags.md from the scripts' --help
 """
 
 import os
@@ -22,6 +22,10 @@ def help_text(script: str) -> str:
     return r.stdout.rstrip()
 
 
+FLAGS = ROOT / "docs" / "flags.md"
+HEADER = "# Every flag\n\nEach script's `--help`, verbatim. Regenerate with `python tests/test_readme.py`.\n\n"
+
+
 def flags_section() -> str:
     parts = [BEGIN]
     for s in SCRIPTS:
@@ -29,16 +33,13 @@ def flags_section() -> str:
     return "\n".join(parts + [END])
 
 
-def test_readme_flags_match_help():
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(re.escape(BEGIN) + ".*?" + re.escape(END), readme, re.S)
-    assert m, "README.md has no generated flag section"
-    assert m.group(0) == flags_section(), "README flags are stale: run `python tests/test_readme.py`"
+def test_flags_doc_matches_help():
+    assert FLAGS.exists(), "docs/flags.md is missing: run `python tests/test_readme.py`"
+    assert FLAGS.read_text() == HEADER + flags_section() + "\n", "docs/flags.md is stale: run `python tests/test_readme.py`"
 
 
 if __name__ == "__main__":
-    path = ROOT / "README.md"
-    text = path.read_text()
-    new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: flags_section(), text, flags=re.S)
-    path.write_text(new)
-    print("README.md flag section regenerated" if new != text else "README.md flag section already up to date")
+    new = HEADER + flags_section() + "\n"
+    old = FLAGS.read_text() if FLAGS.exists() else ""
+    FLAGS.write_text(new)
+    print("docs/flags.md regenerated" if new != old else "docs/flags.md already up to date")

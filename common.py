@@ -18,7 +18,7 @@ import sys
 import traceback
 import types
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -339,12 +339,39 @@ class JsonlLogger:
 
 
 # -----------------------------------------------------------------------------
+# precision: --dtype is the compute dtype, --weights_dtype the storage dtype of the weights and AdamW state
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_precision(dtype: str, weights_dtype: str):
+    """bf16 weights (--weights_dtype bfloat16) compute in bf16 too: fp32 compute over them would be no more exact."""
+    if weights_dtype == "bfloat16" and dtype != "bfloat16":
+        raise SystemExit("error: --weights_dtype bfloat16 needs --dtype bfloat16 (bf16 weights compute in bf16)")
+
+
+def autocast(model: torch.nn.Module, dtype: str):
+    """The context every forward of `model` runs in: training, the sampler and eval alike, so all three compute the
+    same numbers. --dtype bfloat16 on one device or under DDP: torch.autocast, i.e. matmuls and attention in bf16
+    over the (fp32) weights; the model itself keeps logits, log-softmax and RMSNorm statistics in fp32. Under
+    FSDP2 the MixedPrecisionPolicy of wrap_model casts the parameters instead, so nothing is needed here. The
+    backward pass runs outside it (autograd replays the forward's casts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if DTYPES[dtype] == torch.float32 or isinstance(model, FSDPModule):
+        return nullcontext()
+    device = next(model.parameters()).device  # (a DDP-wrapped model's parameters are its module's)
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+# -----------------------------------------------------------------------------
 # model wrapping and LR schedule
 
 
-def wrap_model(model: torch.nn.Module, mode: str, dist: Dist) -> torch.nn.Module:
-    """mode "none" | "ddp" | "fsdp". FSDP2 shards each block in model.layers, then the root (torchtitan style);
-    on CUDA params compute in bf16 with fp32 gradient reduction, on CPU everything stays fp32.
+def wrap_model(model: torch.nn.Module, mode: str, dist: Dist, dtype: str = "float32") -> torch.nn.Module:
+    """mode "none" | "ddp" | "fsdp". FSDP2 shards each block in model.layers, then the root (torchtitan style),
+    with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32): the parameters are cast to the compute dtype
+    (--dtype) when gathered, gradients reduced in fp32 and kept in the weights' dtype (fp32 master weights).
     Single process without torchrun: returned unwrapped (nothing to synchronise)."""
     if mode == "none" or not is_dist():
         return model
@@ -353,9 +380,7 @@ def wrap_model(model: torch.nn.Module, mode: str, dist: Dist) -> torch.nn.Module
         return DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None)
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy()  # fp32
-        if dist.device.type == "cuda":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)

@@ -319,6 +319,13 @@ def format_prompt(question: str, template: str, tokenizer=None) -> tuple[str, st
     raise ValueError(f"unknown template {template!r}: expected one of {TEMPLATES}")
 
 
+def encode_prompt(tokenizer, text: str, template: str) -> list[int]:
+    """Token ids of a format_prompt text. A chat template writes its special tokens itself (Llama 3's
+    <|begin_of_text|>), so none are added again, as apply_chat_template(tokenize=True) does; the plain templates get
+    the tokenizer's own (a base Llama's BOS; Qwen2.5 and the char tokenizer add none). One BOS either way."""
+    return tokenizer.encode(text, add_special_tokens=template != "chat")
+
+
 def sft_target(row: dict, response_prefix: str = THINK) -> str:
     """The completion SFT trains on: "reasoning</think> <answer>N</answer>" after a prompt that opened <think>.
 

@@ -34,8 +34,11 @@ import torch.distributed as tdist
 import rewards
 from checkpoint import resolve_model_dir
 from common import (
+    DTYPES,
     JsonlLogger,
     all_gather_list,
+    autocast,
+    check_precision,
     cleanup_dist,
     init_dist,
     is_dist,
@@ -44,8 +47,8 @@ from common import (
     print0,
     save_json,
 )
-from data import format_prompt, load_task, parse_knobs
-from model import load_model, load_tokenizer
+from data import encode_prompt, format_prompt, load_task, parse_knobs
+from model import load_model, load_tokenizer, stop_and_pad_ids
 from sampler import generate
 
 
@@ -70,7 +73,11 @@ class EvalConfig:
     batch_size: int = field(default=32, metadata={"help": "problems per sampler call (part of the eval's definition)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     # infrastructure
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16", "choices": ["float32", "bfloat16"]})
+    dtype: str = field(default="float32", metadata={"help": "compute dtype (bfloat16: autocast over the weights, "
+                                                      "as in sft.py / grpo.py)", "choices": ["float32", "bfloat16"]})
+    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of the weights (bfloat16 halves "
+                                                            "memory; needs --dtype bfloat16)",
+                                                            "choices": ["float32", "bfloat16"]})
     out_dir: str = field(default="runs/eval", metadata={"help": "writes summary.json and completions.jsonl here"})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
 
@@ -120,17 +127,16 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,)) -> dict:
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, dist=None,
-             seed: int = 0) -> tuple[dict, list[dict]]:
+             seed: int = 0, dtype: str = "float32") -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
     (summary, records) on every rank; records hold one dict per completion, problem-major. Every rank must call
-    this together when distributed (it gathers), with the same rows."""
+    this together when distributed (it gathers), with the same rows. dtype: the compute dtype (common.autocast),
+    the training script's --dtype, so in-loop and standalone evals compute alike."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
     # where the generators live: the model's device (FSDP2 parameters are DTensors; their device is the local one)
     device = dist.device if dist is not None else next(model.parameters()).device
-    cfg_eos = getattr(model, "module", model).config.eos_token_id  # an int or a list (chat models stop on several)
-    eos_ids = sorted({tokenizer.eos_token_id, *(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])} - {None})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids, pad_id = stop_and_pad_ids(tokenizer, getattr(model, "module", model).config)
     n_batches = math.ceil(len(rows) / batch_size)
     was_training = model.training
     model.eval()
@@ -141,9 +147,11 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
         dummy = b >= n_batches
         batch = rows[:1] if dummy else rows[b * batch_size : (b + 1) * batch_size]
         prompts = [format_prompt(r["question"], template, tokenizer) for r in batch]  # (text, response prefix)
-        gen = generate(model, [tokenizer.encode(p) for p, _ in prompts], max_new_tokens, num_samples=samples,
-                       temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
-                       generator=make_generator(seed, b, device=device))
+        with autocast(model, dtype):
+            ids = [encode_prompt(tokenizer, p, template) for p, _ in prompts]
+            gen = generate(model, ids, max_new_tokens, num_samples=samples,
+                           temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
+                           generator=make_generator(seed, b, device=device))
         if dummy:
             continue
         # the host's copy of the batch (one transfer each): text and scores are bookkeeping
@@ -172,7 +180,8 @@ def main(argv=None):
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {cfg.model}: not a model directory (no config.json)")
     tok = load_tokenizer(path)
-    model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype))
+    check_precision(cfg.dtype, cfg.weights_dtype)
+    model = load_model(path, device=d.device, dtype=DTYPES[cfg.weights_dtype])
     try:
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
     except (ValueError, FileNotFoundError, RuntimeError) as err:
@@ -188,7 +197,7 @@ def main(argv=None):
     for name, n, temp in modes:
         summary, records = evaluate(model, tok, rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
-                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed)
+                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, dtype=cfg.dtype)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})

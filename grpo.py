@@ -39,10 +39,13 @@ import torch
 import rewards
 from checkpoint import check_finite, resume_point, save_checkpoint, start_or_resume
 from common import (
+    DTYPES,
     Dist,
     JsonlLogger,
     all_reduce_named,
     any_rank,
+    autocast,
+    check_precision,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -55,9 +58,9 @@ from common import (
     user_input,
     wrap_model,
 )
-from data import format_prompt, load_task, parse_knobs
+from data import encode_prompt, format_prompt, load_task, parse_knobs
 from eval import evaluate
-from model import load_model, load_tokenizer
+from model import load_model, load_tokenizer, stop_and_pad_ids
 from sampler import generate
 
 
@@ -105,7 +108,12 @@ class GRPOConfig:
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
-    dtype: str = field(default="float32", metadata={"help": "dtype", "choices": ["float32", "bfloat16"]})
+    dtype: str = field(default="float32", metadata={"help": "compute dtype; bfloat16: bf16 matmuls over fp32 weights "
+                                                      "and AdamW state (autocast, or FSDP2 mixed precision)",
+                                              "choices": ["float32", "bfloat16"]})
+    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of weights and AdamW state; "
+                                                            "bfloat16 halves it but loses small updates (needs "
+                                                            "--dtype bfloat16)", "choices": ["float32", "bfloat16"]})
     seed: int = field(default=0, metadata={"help": "RL seed (sampling and data order)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
@@ -122,10 +130,11 @@ class GRPOConfig:
                                                                 "(pip install tensorboard)"})
 
 
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape):
-# --resume refuses a checkpoint that differs in these; other flags (lr, steps, loss, dist, world size, ...) may change
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape, the
+# stored weights' dtype): --resume refuses a checkpoint that differs in these; other flags (lr, steps, loss, dist,
+# world size, the compute --dtype, ...) may change
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
-                     "group_size", "seed", "dtype")
+                     "group_size", "seed", "weights_dtype")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,11 +222,12 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
     model.eval()
     parts = []
     for c in range(0, len(prompts), cfg.gen_batch):
-        gen = generate(
-            model, prompts[c : c + cfg.gen_batch], cfg.max_new_tokens, num_samples=cfg.group_size,
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id,
-            generator=make_generator(cfg.seed, step, first + c, device=device),
-        )  # fmt: skip
+        with autocast(model, cfg.dtype):  # the trainer's compute dtype, so sampler and trainer log-probs agree
+            gen = generate(
+                model, prompts[c : c + cfg.gen_batch], cfg.max_new_tokens, num_samples=cfg.group_size,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id,
+                generator=make_generator(cfg.seed, step, first + c, device=device),
+            )  # fmt: skip
         parts.append(gen)
     Tc = max(g.tokens.shape[1] for g in parts)  # calls stop at different lengths: pad to the longest
     mask = torch.cat([_pad(g.mask, Tc, False) for g in parts])
@@ -262,10 +272,12 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
     return torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1)
 
 
-def completion_logprobs(model, inputs, targets, pos, temperature):
-    """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached). The model computes
-    them chunk by chunk, so full (N, L, vocab) fp32 logits never exist."""
-    logp, ent = model(inputs, targets=targets, temperature=temperature)  # (N, L) each
+def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str):
+    """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached), computed in `dtype`
+    (the log-softmax itself in fp32). The model computes them chunk by chunk, so full (N, L, vocab) fp32 logits
+    never exist."""
+    with autocast(model, dtype):
+        logp, ent = model(inputs, targets=targets, temperature=temperature)  # (N, L) each
     return logp.gather(1, pos), ent.gather(1, pos)
 
 
@@ -297,13 +309,15 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, sampler_lo
     if cfg.mu > 1 or ref is not None:  # old log-probs before the first update; reference log-probs for KL
         with torch.no_grad():
             for k in range(n_micro):
-                old[k] = completion_logprobs(model, *sliced[k], cfg.temperature)[0] if cfg.mu > 1 else None
-                ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature)[0] if ref is not None else None
+                if cfg.mu > 1:
+                    old[k] = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)[0]
+                if ref is not None:
+                    ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature, cfg.dtype)[0]
     stats = []  # per counted micro-batch: (ntok, entropy, gap, clip_low, clip_high, kl) sums, on the device
     for update in range(cfg.mu):
         for k, idx in enumerate(micro):
             with _no_sync(model, k == n_micro - 1):
-                logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature)
+                logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 l, st = policy_loss(logp, old_logp, ref_logp[k], adv[ix[k]], cfg.epsilon, cfg.epsilon_high, cfg.beta)
                 wk = w[ix[k]] if idx else torch.zeros_like(w[ix[k]])
@@ -372,21 +386,21 @@ def main(argv=None):
         raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
     weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    check_precision(cfg.dtype, cfg.weights_dtype)
+    weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
     with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
-        model = load_model(cfg.init, device=d.device, dtype=dtype)
+        model = load_model(cfg.init, device=d.device, dtype=weights_dtype)
         tok = load_tokenizer(cfg.init)
+        eos_ids, pad_id = stop_and_pad_ids(tok, model.config)  # no stop token at all: an error naming the dir
     max_pos = model.config.max_position_embeddings
-    eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     ref = None
     if cfg.beta > 0:  # frozen copy of the starting policy; with beta = 0 it is never built
-        ref = load_model(cfg.init, device=d.device, dtype=dtype).requires_grad_(False).eval()
+        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
-            ref = wrap_model(ref, "fsdp", d)
-    model = wrap_model(model, cfg.dist, d)
+            ref = wrap_model(ref, "fsdp", d, cfg.dtype)
+    model = wrap_model(model, cfg.dist, d, cfg.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
 
     # --- data: prompts are tokenized once ------------------------------------------------------------------------
@@ -395,7 +409,7 @@ def main(argv=None):
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
     prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
-    prompt_ids = [tok.encode(t) for t in prompt_text]
+    prompt_ids = [encode_prompt(tok, t, cfg.template) for t in prompt_text]
     if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
         raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={max_pos}: lower --max_new_tokens")
@@ -456,7 +470,7 @@ def main(argv=None):
         done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d))
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  dist=d, seed=cfg.seed)  # fmt: skip
+                                  dist=d, seed=cfg.seed, dtype=cfg.dtype)  # fmt: skip
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         print0(
@@ -477,10 +491,6 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def _as_list(x):
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def _pad(x: torch.Tensor, T: int, value) -> torch.Tensor:

@@ -314,6 +314,14 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
+    gen = path / "generation_config.json"
+    if gen.is_file():  # chat models list more stop ids there than in config.json (Qwen2.5-Instruct: <|endoftext|>)
+        try:
+            extra = json.loads(gen.read_text()).get("eos_token_id")
+        except ValueError as e:
+            raise ValueError(f"{gen}: not valid JSON ({e})") from None
+        ids = list(dict.fromkeys(_as_list(cfg.eos_token_id) + _as_list(extra)))
+        cfg.eos_token_id = ids[0] if len(ids) == 1 else ids or None  # saved so, the union stays with the model
     state = _read_state(path)
     if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]  # HF omits the tied copy
@@ -399,6 +407,25 @@ def load_tokenizer(path):
         # (transformers' own message for this case is five generic lines that do not name the directory)
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) in it")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def stop_and_pad_ids(tokenizer, cfg: ModelConfig) -> tuple[list[int], int]:
+    """The ids generation stops on and the id padding uses, one rule for every stage (sampler, SFT, eval).
+    Stop ids: the tokenizer's eos_token_id first (SFT ends its targets with it), then config.json's eos_token_id (an
+    int or a list), which load_model merged with generation_config.json's: Qwen2.5-Instruct stops on <|im_end|> and
+    <|endoftext|>, Llama-3.x-Instruct on <|eot_id|> and <|end_of_text|> (and <|eom_id|>).
+    Pad id: the tokenizer's pad token, else config.json's pad_token_id, else the first stop id (Llama 3 has no pad
+    token). Padding is masked out of attention and the loss everywhere, so which id it is never matters."""
+    stops = list(dict.fromkeys(i for i in [tokenizer.eos_token_id, *_as_list(cfg.eos_token_id)] if i is not None))
+    if not stops:
+        raise ValueError("no stop token: neither the tokenizer nor config.json / generation_config.json names an "
+                         "eos_token_id; set one in the model directory's config.json")
+    pad = next((i for i in (tokenizer.pad_token_id, cfg.pad_token_id) if i is not None), stops[0])
+    return stops, pad
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def char_tokenizer():

@@ -76,7 +76,8 @@ def gathered(model):
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
              top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, compile=False) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
-    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model.
+    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model, and computes in
+    the caller's precision: under common.autocast (torch.autocast) the KV cache takes the autocast dtype.
     compile=True runs the decode step through torch.compile (dynamic shapes, one graph for every step): the
     first call compiles for tens of seconds; it pays off for long or repeated generations."""
     if isinstance(model, DistributedDataParallel):
@@ -101,6 +102,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
 def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, compile):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
     device, dtype = weight.device, weight.dtype
+    if torch.is_autocast_enabled(device.type):  # bf16 compute over fp32 weights: the cache holds what it computes
+        dtype = torch.get_autocast_dtype(device.type)
     P, L = len(prompts), max(map(len, prompts))
     N, S = P * G, L + max_new_tokens  # rows, cache slots
     # left-pad: every prompt ends at slot L - 1, so step t writes slot L + t in every row

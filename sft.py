@@ -57,9 +57,12 @@ from tqdm import tqdm
 import model as model_lib
 from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
 from common import (
+    DTYPES,
     JsonlLogger,
     all_reduce_named,
     any_rank,
+    autocast,
+    check_precision,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -72,7 +75,7 @@ from common import (
     user_input,
     wrap_model,
 )
-from data import format_prompt, load_task, parse_knobs, sft_target
+from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
 from eval import evaluate
 
 
@@ -114,6 +117,12 @@ class SFTConfig:
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    dtype: str = field(default="float32", metadata={"help": "compute dtype; bfloat16: bf16 matmuls over fp32 weights "
+                                                      "and AdamW state (autocast, or FSDP2 mixed precision)",
+                                              "choices": ["float32", "bfloat16"]})
+    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of weights and AdamW state; "
+                                                            "bfloat16 halves it but loses small updates (needs "
+                                                            "--dtype bfloat16)", "choices": ["float32", "bfloat16"]})
     out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
@@ -127,10 +136,11 @@ class SFTConfig:
                                                                 "(pip install tensorboard)"})
 
 
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch): --resume
-# refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist, ...) may change
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch, the stored
+# weights' dtype): --resume refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist,
+# the compute --dtype, ...) may change
 RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed")
+                     "template", "global_batch", "seed", "weights_dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -153,10 +163,12 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int, device="cp
     return ids[:, :-1], labels[:, 1:]  # position t predicts token t + 1
 
 
-def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of -log p(target) over the positions whose label is not -100 (normalise by the caller's token count)."""
+def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype: str = "float32") -> torch.Tensor:
+    """Sum of -log p(target) over the positions whose label is not -100 (normalise by the caller's token count),
+    computed in `dtype` (common.autocast; the log-softmax itself in fp32)."""
     mask = targets != -100  # (B, T)
-    logp, _ = model(inputs, targets=targets.clamp(min=0))  # (B, T) log-probs of the targets, chunked over T
+    with autocast(model, dtype):
+        logp, _ = model(inputs, targets=targets.clamp(min=0))  # (B, T) log-probs of the targets, chunked over T
     return -(logp * mask).sum()
 
 
@@ -183,6 +195,7 @@ def main(argv=None):
         raise SystemExit(f"error: --global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
                          f"not divisible by --micro_batch {cfg.micro_batch}")
     accum = per_rank // cfg.micro_batch
+    check_precision(cfg.dtype, cfg.weights_dtype)
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
     if not 0 < cfg.lr < math.inf:
@@ -204,18 +217,20 @@ def main(argv=None):
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            model = model_lib.load_model(path, device=d.device)
+            model = model_lib.load_model(path, device=d.device, dtype=DTYPES[cfg.weights_dtype])
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
         model = model_lib.Transformer(model_lib.preset_config(
             cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
+            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides)))  # fmt: skip
+        model = model.to(d.device, DTYPES[cfg.weights_dtype])
     seed_all(cfg.seed, d.rank)
-    eos_id = tok.eos_token_id
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
+    with user_input("--init"):  # a model directory without any stop token
+        eos_ids, pad_id = model_lib.stop_and_pad_ids(tok, model.config)
+    eos_id = eos_ids[0]  # what every target ends with: the tokenizer's own EOS (a chat model's end of turn)
     n_params = sum(p.numel() for p in model.parameters())
-    model = wrap_model(model, cfg.dist, d)
+    model = wrap_model(model, cfg.dist, d, cfg.dtype)
     # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -226,13 +241,14 @@ def main(argv=None):
     for r in rows:
         prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: what the prompt opened, "<think>"
         target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
-        examples.append(build_example(tok.encode(prompt), target, eos_id))
+        examples.append(build_example(encode_prompt(tok, prompt, cfg.template), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
     max_len = unwrap_model(model).config.max_position_embeddings
     if max(len(ids) for ids, _ in examples) > max_len:
         raise SystemExit(f"error: the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
                          f"max_position_embeddings {max_len}")
-    longest_eval = max(len(tok.encode(format_prompt(r["question"], cfg.template, tok)[0])) for r in eval_rows)
+    longest_eval = max(len(encode_prompt(tok, format_prompt(r["question"], cfg.template, tok)[0], cfg.template))
+                       for r in eval_rows)
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + --max_new_tokens="
                          f"{cfg.max_new_tokens} exceeds the model's max_position_embeddings={max_len}: lower "
@@ -275,7 +291,7 @@ def main(argv=None):
             micro = [examples[i] for i in mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]]
             inputs, targets = collate(micro, pad_id, d.device)  # (b, T) each, on the device
             with no_sync(model, k == accum - 1):
-                loss = sft_loss(model, inputs, targets)
+                loss = sft_loss(model, inputs, targets, cfg.dtype)
                 (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
             losses.append(loss.detach())
             n_in += sum(len(ids) - 1 for ids, _ in micro)
@@ -298,7 +314,7 @@ def main(argv=None):
         stop = False
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  dist=d, seed=cfg.seed)  # fmt: skip
+                                  dist=d, seed=cfg.seed, dtype=cfg.dtype)  # fmt: skip
             pass1 = summary["pass@1"]
             metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
             history.append(pass1)

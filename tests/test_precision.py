@@ -1,0 +1,117 @@
+"""Mixed precision: --dtype bfloat16 computes in bf16 over fp32 master weights and AdamW state, so small updates are
+kept; --weights_dtype bfloat16 (bf16 storage) loses them. CPU autocast bf16 stands in for a GPU's."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+import grpo
+import sft
+from model import Transformer, char_tokenizer, load_model, preset_config, save_model
+
+# 20 AdamW steps at lr 1e-6: each weight moves ~2e-5, far above fp32's resolution at 0.02 (~2e-9) and far below
+# bf16's (~1e-4; 0.008 at the norms' 1.0)
+SFT = ["--task", "arith", "--split", "train[:64]", "--global_batch", "8", "--micro_batch", "8", "--steps", "20",
+       "--lr", "1e-6", "--warmup", "0", "--min_lr_ratio", "1", "--weight_decay", "0", "--eval_every", "0",
+       "--stop_pass1", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    tok = char_tokenizer()
+    # tied embeddings: every row gets a gradient through the head (an untied row of an unused char would not move)
+    cfg = preset_config("tiny", len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("init")
+    save_model(Transformer(cfg), path, tok)
+    return path
+
+
+def _weights(path) -> dict:
+    """The stored tensors of an HF dir, in the dtype they were saved in."""
+    return load_file(path / "model.safetensors")
+
+
+def _changed(before: dict, after: dict) -> float:
+    """Fraction of all weights whose stored value changed (compared in the trained model's dtype)."""
+    changed = sum((before[k].to(b.dtype) != b).sum().item() for k, b in after.items())
+    return changed / sum(b.numel() for b in after.values())
+
+
+def _sft(init_dir, out, *flags):
+    sft.main(["--init", str(init_dir), "--out_dir", str(out), *SFT, *flags])
+    losses = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
+    return _weights(out / "model"), losses
+
+
+def test_bf16_compute_keeps_small_updates_bf16_storage_loses_them(init_dir, tmp_path):
+    init = _weights(init_dir)
+    fp32, fp32_loss = _sft(init_dir, tmp_path / "fp32")
+    mixed, mixed_loss = _sft(init_dir, tmp_path / "mixed", "--dtype", "bfloat16")
+    stored, _ = _sft(init_dir, tmp_path / "stored", "--dtype", "bfloat16", "--weights_dtype", "bfloat16")
+    # fp32 master weights: saved as fp32, and (nearly) every weight moved, as with fp32 compute
+    assert {v.dtype for v in mixed.values()} == {torch.float32}
+    assert _changed(init, fp32) >= 0.99
+    assert _changed(init, mixed) >= 0.99
+    # the bf16 run really computed in bf16 (its loss differs from fp32's), and stayed close to it
+    assert mixed_loss[0] != fp32_loss[0]
+    assert mixed_loss[0] == pytest.approx(fp32_loss[0], rel=1e-2)
+    # bf16 storage: the same updates round away in most weights
+    assert {v.dtype for v in stored.values()} == {torch.bfloat16}
+    assert _changed(init, stored) < 0.5
+    print(f"weights changed by 20 steps at lr 1e-6: fp32 {_changed(init, fp32):.2%}, bf16 compute (fp32 master) "
+          f"{_changed(init, mixed):.2%}, bf16 storage {_changed(init, stored):.2%}")
+
+
+def test_bf16_weights_need_bf16_compute(init_dir, tmp_path):
+    with pytest.raises(SystemExit, match="--weights_dtype bfloat16 needs --dtype bfloat16"):
+        sft.main(["--init", str(init_dir), "--out_dir", str(tmp_path), "--weights_dtype", "bfloat16"])
+
+
+def test_autocast_context():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with common.autocast(model, "bfloat16"):
+        assert model(x).dtype == torch.bfloat16
+    with common.autocast(model, "float32"):
+        assert model(x).dtype == torch.float32
+
+
+def test_model_keeps_logits_and_norm_statistics_fp32_under_autocast(init_dir):
+    model = load_model(init_dir)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    with common.autocast(model, "bfloat16"):
+        logits = model(tokens)
+        logp, ent = model(tokens, targets=tokens)
+        norm_in = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    assert logits.dtype == logp.dtype == ent.dtype == torch.float32
+    want = model(tokens)  # fp32 compute
+    assert (logits - want).abs().max() < 0.05 * want.abs().max()  # bf16 matmuls: close, not equal
+    assert not torch.equal(logits, want)
+    ref = model.layers[0].input_layernorm(norm_in.float())
+    assert (model.layers[0].input_layernorm(norm_in).float() - ref).abs().max() < 1e-2
+
+
+GRPO = ["--steps", "1", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "4", "--max_new_tokens", "16",
+        "--reward_weights", "overlong=1", "--eval_every", "0", "--lr", "1e-3", "--warmup", "1"]  # fmt: skip
+
+
+def test_grpo_bf16_logprob_gap(init_dir, tmp_path, capsys):
+    """The sampler and the trainer both compute under the same autocast: their log-probs of the sampled tokens agree
+    to bf16 accuracy (not to fp32's, as the KV-cache decode and the full forward round differently)."""
+    gaps = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        grpo.main(["--init", str(init_dir), "--out_dir", str(out), "--dtype", dtype, *GRPO])
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        gaps[dtype] = rows[0]["logprob_gap"]
+        assert rows[0]["grad_norm"] > 0
+        assert {v.dtype for v in _weights(out / "step_000001").values()} == {torch.float32}
+    with capsys.disabled():
+        print(f"\nlogprob_gap (mean |sampler - trainer| per token): fp32 {gaps['float32']:.2e}, "
+              f"bf16 {gaps['bfloat16']:.2e}")
+    assert gaps["float32"] < 1e-4
+    assert 0 < gaps["bfloat16"] < 0.05

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The GPU acceptance run (#13): logits vs transformers, sampler tok/s vs transformers and the bandwidth bound, SFT and
+# GRPO steps of the Qwen2.5-1.5B shape, plain and FSDP2 on one rank; one JSON file and a table. Prepared to finish in
+# under 8 minutes on one H200. `scripts/gpu_check.sh --tiny` runs the same on the CPU at toy shapes (a test does).
+#   scripts/gpu_check.sh [--out gpu_check.json] [--hbm_gbs 4800] [--only logits,sampler,train]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python scripts/gpu_check.py "$@"

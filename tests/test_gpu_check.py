@@ -1,0 +1,29 @@
+"""scripts/gpu_check.sh --tiny: the GPU acceptance run at toy shapes on the CPU, so it keeps working between GPU
+sessions (every check runs: logits vs transformers, the sampler benchmark, SFT / GRPO plain and FSDP2 on 1 rank)."""
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_tiny(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--tiny", "--out", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    logits = [x for x in rows if x["check"] == "logits"]
+    assert len(logits) == 4 and all(x["ok"] for x in logits)
+    assert all(x["vs_fp32"] > 0 for x in logits if x["dtype"] == "bfloat16")  # bf16 compute really ran
+    sampler = [x for x in rows if x["check"] == "sampler"]
+    assert len(sampler) == 4 and all(x["ours_tok_s"] > 0 and x["hf_tok_s"] > 0 for x in sampler)
+    train = {(x["stage"], x["dist"]): x for x in rows if x["check"] == "train"}
+    assert set(train) == {(s, d) for s in ("sft", "grpo") for d in ("none", "fsdp")}
+    assert all(x["steps"] == 2 and x["mem_peak_mb"] > 0 for x in train.values())
+    assert all(math.isfinite(train[("grpo", d)]["logprob_gap"]) for d in ("none", "fsdp"))
+    assert "s_generate" in r.stdout  # the printed table

@@ -22,7 +22,7 @@ Normalisation: the last \boxed{}/\fbox{}; \( \) \[ \] $ $$ \displaystyle \left \
 \cfrac -> \frac; \text \textnormal \mbox \mathrm ... unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5);
 spacing (\! \, \;) and whitespace dropped, except one space between a command and a letter ("\cot x" is not
 "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit words go when what is left is a constant ("72 clips",
-"2\sqrt{2} cm"); "x=5" -> "5"; "(C)" -> "C". Thousands separators ("1,000", "10,\!080") only when the whole
+"2\sqrt{2} cm"); "(C)" -> "C". Thousands separators ("1,000", "10,\!080") only when the whole
 answer is that one number with no space after a comma: "32, 349" is the list 32, 349 (a GSM8K model writes
 "32,349"; MATH lists are written with ", ").
 Values (see the grammar section below for the tree and its bounds):
@@ -297,9 +297,6 @@ def normalize(answer: str) -> str | None:
     s = "".join(p if i == 0 or not (_ends_with_command(pieces[i - 1]) and p[0].isascii() and p[0].isalpha())
                 else " " + p for i, p in enumerate(pieces))
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
-    # "x=5" -> "5": a single-letter variable assignment (MATH's convention); "y=2x+3" keeps its meaning on both sides
-    if len(s) > 2 and s[1] == "=" and s[0].isalpha() and s.count("=") == 1:
-        s = s[2:]
     if len(s) == 3 and s[0] == "(" and s[2] == ")" and s[1] in "ABCDE":  # multiple choice "(C)" -> "C"
         s = s[1]
     return s
@@ -648,6 +645,8 @@ def _is_constant(s: str) -> bool:
         node = _structure(_tokenize(s))
     except (_Fail, ValueError, ZeroDivisionError):
         return False
+    if node[0] == "rel" and node[2] == ["="] and node[1][0][0] == "var":  # "x = 11 cm"
+        node = node[1][1]
     return node[0] not in ("seq", "set", "rel", "union") and not _free_vars(node)
 
 
@@ -951,6 +950,14 @@ def _rels_equal(a: tuple, b: tuple, same) -> bool:
 # ---------------------------------------------------------------- public checks
 
 
+def _drop_assignment(s: str, other: str) -> str:
+    """"x=5" -> "5" when the other answer has no "=" (MATH's convention: a single-letter assignment is its value;
+    "x=5" against "y=5" stays a relation, compared side by side)."""
+    if len(s) > 2 and s[1] == "=" and s[0].isalpha() and s.count("=") == 1 and "=" not in other:
+        return s[2:]
+    return s
+
+
 def answers_match(pred: str, gold: str, tolerance: float = 0.0) -> bool:
     """True if `pred` and `gold` are the same answer: equal normalised strings, or equal values of their trees
     (see the module docstring). `tolerance` > 0 lets a decimal match an exact value within that relative error."""
@@ -959,6 +966,7 @@ def answers_match(pred: str, gold: str, tolerance: float = 0.0) -> bool:
     a, b = normalize(pred), normalize(gold)
     if not a or not b:
         return False
+    a, b = _drop_assignment(a, b), _drop_assignment(b, a)
     if _atom_equal(a, b):
         return True
     sa, sb = _as_sequence(a), _as_sequence(b)
@@ -982,6 +990,8 @@ def extract_answer(response: str) -> str | None:
     if parsed is None:
         return None
     s = normalize(parsed[1])
+    if s and len(s) > 2 and s[1] == "=" and s[0].isalpha() and s.count("=") == 1:
+        s = s[2:]  # "x=5" votes with "5" (a single-letter assignment: MATH's convention)
     if not s:
         return None
     if to_number(s) is not None:

@@ -269,7 +269,7 @@ def normalize(answer: str) -> str | None:
     for cmd in _TEXT_COMMANDS:
         s = _unwrap(s, cmd)
     s = s.replace("\\\\", ";")  # matrix/array row separator, kept apart from the "\ " spacing command
-    s = s.replace(",\\!", ",").replace("{,}", ",")  # "10,\!080" and "10{,}080" are thousands separators
+    s = re.sub(r",\\!\s*", ",", s).replace("{,}", ",")  # "10,\!080", "10,\! 080", "10{,}080": thousands
     for spacing in _SPACING:
         s = s.replace(spacing, " ")
     for junk in _DROPPED:
@@ -603,6 +603,9 @@ def _structure(toks: list[str], level: int = 0) -> tuple:
     parts, ops = _split(toks, _REL_OPS)
     if ops:
         return ("rel", [_Parser(p).parse() for p in parts], [_REL_OPS[o] for o in ops])
+    if toks.count("\\pm") == 1:  # 1 \pm \sqrt{2}: the set of its two values
+        k = toks.index("\\pm")
+        return ("set", [_structure(toks[:k] + [sign] + toks[k + 1 :], level + 1) for sign in ("+", "-")])
     parts, _ = _split(toks, ("\\in",))
     if len(parts) == 2 and len(parts[0]) == 1 and parts[0][0].isalpha():  # x \in [1, 2]
         return _structure(parts[1], level + 1)

@@ -35,6 +35,7 @@ SQRT = re.compile(r"(\d*)\\sqrt\{(\d+)\}")
 PAIR = re.compile(r"\\left\((.*)\\right\)|\((.*)\)")
 SUM = re.compile(r"^([^+\-,()=]+)([+-])([^+\-,()=]+)$")  # exactly two terms, no sign, list, group or relation
 INEQ = re.compile(r"^([a-z])\s*(\\le|\\leq|\\ge|\\geq|<|>)\s*(.+)$")
+THOUSANDS = re.compile(r"(\\\$)?\d{1,3}(,(\\!)?\s*\d{3})+")
 PI_FRAC = re.compile(r"\\frac\{(\d*)\\pi\}\{(\d+)\}")
 POWER = re.compile(r"\^(\d)")
 STRICT = {"\\le": "<", "\\leq": "<", "\\ge": ">", "\\geq": ">"}
@@ -54,7 +55,10 @@ def terminating(n, d):
 
 
 def items(g):
-    """Top-level comma items of a bare list or tuple body, or None."""
+    """Top-level comma items of a bare list or tuple body, or None (also for one number written with thousands
+    separators, such as 10,\\!080 or \\$32,\\!348)."""
+    if THOUSANDS.fullmatch(g):
+        return None
     body = g[1:-1] if g[:1] in "([" and g[-1:] in ")]" else g
     depth, parts, start = 0, [], 0
     for i, c in enumerate(body):
@@ -93,7 +97,8 @@ SAME = {
     "ineq_flip": lambda g: (lambda m: f"{m[3]} {FLIP[m[2]]} {m[1]}")(INEQ.match(g)) if INEQ.match(g) else None,
     "pi_coef": lambda g: (lambda m: f"\\frac{{{m[1] or 1}}}{{{m[2]}}}\\pi")(PI_FRAC.fullmatch(g))
     if PI_FRAC.fullmatch(g) else None,
-    "spaces": lambda g: " ".join(g.replace(",", " , ").split()) if len(g) > 1 else None,
+    "spaces": lambda g: " ".join(g.replace(",", " , ").split())
+    if len(g) > 1 and not THOUSANDS.fullmatch(g) else None,
 }
 
 DIFFER = {
@@ -113,10 +118,12 @@ DIFFER = {
     and len(set(items(g))) > 1 and "\\infty" not in g else None,
     "bracket": lambda g: "[" + g[1:] if g[:1] == "(" and g[-1:] in ")]" and items(g) else None,
     "drop_item": lambda g: ", ".join(items(g)[1:]) if items(g) and g[:1] not in "([" else None,
-    "variable": lambda g: g.replace("x", "y") if re.search(r"(?<![a-z\\])x(?![a-z])", g) else None,
+    "variable": lambda g: g.replace("x", "y")  # x \\in [1, 2] names no variable of the answer: skipped
+    if re.search(r"(?<![a-z\\])x(?![a-z])", g) and "\\in" not in g else None,
     "ineq_strict": lambda g: (lambda m: f"{m[1]} {STRICT[m[2]]} {m[3]}")(INEQ.match(g))
     if INEQ.match(g) and INEQ.match(g)[2] in STRICT else None,
-    "exponent": lambda g: POWER.sub(lambda m: f"^{int(m[1]) + 1}", g, count=1) if POWER.search(g) else None,
+    "exponent": lambda g: POWER.sub(lambda m: f"^{int(m[1]) + 1}", g, count=1)
+    if POWER.search(g) and "\\mbox" not in g and "\\text" not in g else None,  # not a unit's power (cm^2)
     "pi_twice": lambda g: f"2{g}" if "\\pi" in g and "," not in g else None,
 }
 

@@ -892,6 +892,20 @@ def _rel_to_interval(node: tuple) -> tuple | None:
     return ("seq", "(" if ops[0] == "<" else "[", ")" if ops[1] == "<" else "]", [lo, hi])
 
 
+def _ascending(ends: list, budget: _Budget) -> bool:
+    """False if both ends of an interval are real numbers and lo >= hi: 15 < x < -29 is no interval, so it must
+    not match the pair (15, -29)."""
+    values = []
+    for end in ends:
+        if end[0] == "inf" or (end[0] == "neg" and end[1] == ("inf",)):
+            return True
+        v = _fingerprint(end, budget)[3][0]
+        if v is None or v.imag != 0:
+            return True
+        values.append(v.real)
+    return values[0] < values[1]
+
+
 _STRUCTURES = ("seq", "set", "rel", "union", "matrix")
 
 
@@ -914,7 +928,7 @@ def _trees_equal(a: tuple, b: tuple, tolerance: float, budget: _Budget, cache: d
                 if lhs[0] == "var" or rhs[0] == "var":
                     return same(rhs if lhs[0] == "var" else lhs, y)
             interval = _rel_to_interval(x) if y[0] in ("seq", "union") else None
-            return interval is not None and same(interval, y)
+            return interval is not None and _ascending(interval[3], budget) and same(interval, y)
     if ka != kb:
         return False
     if ka == "seq":

@@ -39,6 +39,7 @@ THOUSANDS = re.compile(r"(\\\$)?\d{1,3}(,(\\!)?\s*\d{3})+")
 PI_FRAC = re.compile(r"\\frac\{(\d*)\\pi\}\{(\d+)\}")
 POWER = re.compile(r"\^(\d)")
 STRICT = {"\\le": "<", "\\leq": "<", "\\ge": ">", "\\geq": ">"}
+GE = "\\ge"
 FLIP = {"\\le": "\\ge", "\\leq": "\\geq", "\\ge": "\\le", "\\geq": "\\leq", "<": ">", ">": "<"}
 
 
@@ -97,6 +98,16 @@ SAME = {
     "ineq_flip": lambda g: (lambda m: f"{m[3]} {FLIP[m[2]]} {m[1]}")(INEQ.match(g)) if INEQ.match(g) else None,
     "pi_coef": lambda g: (lambda m: f"\\frac{{{m[1] or 1}}}{{{m[2]}}}\\pi")(PI_FRAC.fullmatch(g))
     if PI_FRAC.fullmatch(g) else None,
+    "frac_power": lambda g: (lambda m: f"{m[1]}{m[2]} \\cdot {m[3]}^{{-1}}")(FRAC.fullmatch(g))
+    if FRAC.fullmatch(g) else None,
+    "sqrt_power": lambda g: (lambda m: f"{m[1] or 1} \\cdot {m[2]}^{{\\frac{{1}}{{2}}}}")(SQRT.fullmatch(g))
+    if SQRT.fullmatch(g) else None,
+    "times_one": lambda g: f"1 \\cdot \\left({g}\\right)" if re.fullmatch(r"[-\w\\{}^+ ]+", g) and "\\text" not in g
+    and "_" not in g else None,
+    "neg_frac": lambda g: (lambda m: f"\\frac{{-{m[2]}}}{{{m[3]}}}")(FRAC.fullmatch(g)) if FRAC.fullmatch(g)
+    and FRAC.fullmatch(g)[1] else None,
+    "set_braces": lambda g: f"\\{{{g}\\}}" if items(g) and g[:1] not in "([" else None,
+    "interval_ineq": lambda g: interval_to_ineq(g, strict_ok=True),
     "spaces": lambda g: " ".join(g.replace(",", " , ").split())
     if len(g) > 1 and not THOUSANDS.fullmatch(g) else None,
 }
@@ -124,8 +135,28 @@ DIFFER = {
     if INEQ.match(g) and INEQ.match(g)[2] in STRICT else None,
     "exponent": lambda g: POWER.sub(lambda m: f"^{int(m[1]) + 1}", g, count=1)
     if POWER.search(g) and "\\mbox" not in g and "\\text" not in g else None,  # not a unit's power (cm^2)
+    "interval_ineq_wrong": lambda g: interval_to_ineq(g, strict_ok=False),
+    "close_frac": lambda g: (lambda m: f"{m[1]}\\frac{{{1000 * int(m[2]) + 1}}}{{{1000 * int(m[3])}}}")(
+        FRAC.fullmatch(g)) if FRAC.fullmatch(g) else None,  # within 0.1% of the gold, but not it
     "pi_twice": lambda g: f"2{g}" if "\\pi" in g and "," not in g else None,
 }
+
+
+def interval_to_ineq(g, strict_ok):
+    """(a, b] -> a < x \\le b; (-\\infty, b) -> x < b; with strict_ok False, the first bracket's meaning flipped."""
+    m = re.fullmatch(r"([(\[])([^,]+),([^,]+)([)\]])", g.replace(" ", ""))
+    if not m:
+        return None
+    lo_op = ("<" if m[1] == "(" else "\\le") if strict_ok else ("\\le" if m[1] == "(" else "<")
+    hi_op = "<" if m[4] == ")" else "\\le"
+    lo, hi = m[2], m[3]
+    if "infty" in lo and "infty" in hi:
+        return None
+    if "infty" in lo:
+        return f"x {hi_op} {hi}" if strict_ok else None
+    if "infty" in hi:
+        return f"x {'>' if lo_op == '<' else GE} {lo}"
+    return f"{lo} {lo_op} x {hi_op} {hi}"
 
 
 def approx(g):
@@ -139,13 +170,22 @@ def approx(g):
     return None
 
 
-def build_corpus(golds, seed=0):
-    """[(rule, gold, candidate, label)] with label in same | differ | approx."""
+INTERVAL_RULES = {"interval_ineq", "interval_ineq_wrong", "bracket"}  # only where the problem asks for an interval
+POINT_RULES = {"tuple_swap"}  # only where it does not: (2, 4) is then an ordered pair
+
+
+def applies(name, interval):
+    return (name not in INTERVAL_RULES or interval) and (name not in POINT_RULES or not interval)
+
+
+def build_corpus(rows, seed=0):
+    """[(rule, gold, candidate, label)] with label in same | differ | approx; rows: (gold, problem)."""
     rng, cases = random.Random(seed), []
-    for g in golds:
+    for g, problem in rows:
+        interval = "interval" in problem.lower()
         for kind, rules in (("same", SAME), ("differ", DIFFER)):
             for name, rule in rules.items():
-                c = rule(g)
+                c = rule(g) if applies(name, interval) else None
                 if c is not None and c != g:
                     cases.append((name, g, c, kind))
         a = approx(g)
@@ -154,9 +194,9 @@ def build_corpus(golds, seed=0):
         # fuzzed: chains of same-rules (still the same answer), and a chain with one differ-rule in it
         for kind in ("same", "differ"):
             chain, c = [], g
-            steps = rng.sample(sorted(SAME), k=rng.randint(2, 3))
-            if kind == "differ":
-                steps.insert(0, rng.choice(sorted(DIFFER)))  # change the value first, then rewrite its form
+            steps = rng.sample([n for n in sorted(SAME) if applies(n, interval)], k=rng.randint(2, 3))
+            if kind == "differ":  # change the value first, then rewrite its form
+                steps.insert(0, rng.choice([n for n in sorted(DIFFER) if applies(n, interval)]))
             for name in steps:
                 out = (DIFFER if name in DIFFER else SAME)[name](c)
                 if out is not None:
@@ -184,6 +224,22 @@ def make_mathverify():
     return check
 
 
+ADVERSARIAL = [  # built to hit every bound of rewards.py: caps, depth, budget, big numbers, long lists
+    "(" * 500 + "1" + ")" * 500, "\\sqrt{" * 300 + "2" + "}" * 300, "9^{" * 200 + "9" + "}" * 200,
+    "+".join(f"\\frac{{1}}{{{p}}}" for p in range(2, 80)), "x" + "+x" * 199, ",".join(["\\sqrt{2}x"] * 60),
+    "\\{" + ",".join(str(k) for k in range(31)) + "\\}", "2^{4096}" + "*2^{4096}" * 40, "9" * 999,
+    "|" * 300, "\\frac" * 200, "-" * 999, "x<" * 150 + "1", "(1,2)\\cup" * 80 + "(3,4)", "1 \\pm " * 100,
+]
+
+
+def fuzz_inputs(n, seed):
+    """The adversarial strings above and n random concatenations of grammar fragments."""
+    parts = ["\\frac{", "\\sqrt[", "{", "}", "(", ")", "^", "9", "99999", "x", "\\pi", "e", "i", ",", "=", "<",
+             "\\le", "\\cup", "\\{", "\\}", "|", "!", "\\pm", "\\sin", "+", "-", "/", ".", " ", "\\infty", "_"]
+    rng = random.Random(seed)
+    return ADVERSARIAL + ["".join(rng.choice(parts) for _ in range(rng.randrange(1, 300))) for _ in range(n)]
+
+
 def timed(fn, *args):
     t = time.perf_counter()
     out = fn(*args)
@@ -196,13 +252,15 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="use only the first N golds (0 = all)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fuzzed rewrites")
     ap.add_argument("--show", type=int, default=40, help="disagreements listed per group")
+    ap.add_argument("--fuzz", type=int, default=2000, help="random inputs for ours' worst-case time (0 = skip)")
     args = ap.parse_args(argv)
     path = Path(args.data)
     if not path.is_file():
         raise SystemExit(f"error: --data {path}: no such file (the MATH-500 test.jsonl)")
-    golds = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
-    golds = golds[: args.limit] if args.limit else golds
-    cases = build_corpus(golds, args.seed)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [(r["answer"], r["problem"]) for r in rows[: args.limit or len(rows)]]
+    golds = [g for g, _ in rows]
+    cases = build_corpus(rows, args.seed)
     mv = make_mathverify()
     results = []  # (rule, gold, pred, label, ours, mv)
     times = {"ours": [], "math-verify": []}
@@ -234,6 +292,11 @@ def main(argv=None):
             print(f"    {r[3]} ours={int(r[4])} mv={int(r[5])}  {r[1]!r} -> {r[2]!r}  [{r[0]}]")
     both = sum(r[4] == r[5] for r in results)
     print(f"\nthe two agree with each other on {both}/{len(results)} cases\n")
+
+    if args.fuzz:
+        fuzz = [timed(ours, text, gold)[1] for text in fuzz_inputs(args.fuzz, args.seed) for gold in golds[:3]]
+        print(f"ours on {len(fuzz)} adversarial/fuzzed calls: median {1e3 * statistics.median(fuzz):.2f} ms, "
+              f"worst {1e3 * max(fuzz):.1f} ms\n")
 
     groups = defaultdict(list)
     for r in results:

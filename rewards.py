@@ -646,7 +646,7 @@ def _is_constant(s: str) -> bool:
     """True if s parses as one expression without variables ("2\\sqrt{2}", "\\frac{\\pi}{3}")."""
     try:
         node = _structure(_tokenize(s))
-    except (_Fail, ValueError, ZeroDivisionError):
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
         return False
     if node[0] == "rel" and node[2] == ["="] and node[1][0][0] == "var":  # "x = 11 cm"
         node = node[1][1]

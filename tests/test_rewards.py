@@ -446,19 +446,18 @@ def test_fuzz_long_repeats(fragment, count):
 
 
 def _fuzz_many(n: int, seed: int) -> None:
-    """n random fragment strings (up to 60 fragments) against MATH-like golds: no call may raise."""
+    """n random fragment strings (up to 60 fragments), each against one MATH-like gold, with and without
+    --reward_tolerance, and against itself: no call may raise."""
     rng = random.Random(seed)
     golds = ["\\frac{\\sqrt{3}}{2}", "(1,2)", "x \\le 5", "2\\sqrt{2}", "1,-2", "\\{1,2\\}", "12", "\\pi"]
-    for _ in range(n):
+    for k in range(n):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randrange(1, 60)))
-        for gold in golds[: 2 + rng.randrange(len(golds) - 1)]:
-            answers_match(text, gold)
-            answers_match(text, gold, 1e-6)
+        answers_match(text, golds[k % len(golds)], 1e-6 if k % 2 else 0.0)
         reward(f"<think>r</think> <answer>{text}</answer>", text)
 
 
 def test_fuzz_no_exception():
-    _fuzz_many(500, seed=0)
+    _fuzz_many(2_000, seed=0)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ each stage, run from a copy of the repo in a temp dir exactly as a user would; e
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ def test_demo_in_miniature(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python` = this interpreter
-    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs",
+    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0",
            "SFT_FLAGS": "--steps 12 --eval_every 0 --global_batch 8 --micro_batch 8",
            "GRPO_FLAGS": "--steps 2 --prompts_per_step 2 --group_size 4 --eval_every 0",
            "EVAL_FLAGS": "--split test[:6]"}  # fmt: skip
@@ -48,3 +49,25 @@ def test_demo_in_miniature(tmp_path):
         return
     png = runs / "grpo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_stops_on_a_start_too_weak_for_grpo(tmp_path):
+    """An SFT start below MIN_START: one error line that says what to try, and GRPO never starts."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0.1",
+           "SFT_FLAGS": "--steps 3 --eval_every 0 --global_batch 8 --micro_batch 8", "EVAL_FLAGS": "--split test[:4]"}
+    r = subprocess.run(["bash", "demo.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "MIN_START=0.1" in errors[0] and "Try:" in errors[0], r.stderr[-2000:]
+    assert not (repo / "runs" / "grpo").exists() and "== 2/3 GRPO" not in r.stdout
+
+
+def test_demo_reference_figures_are_the_readmes():
+    """demo.sh compares its result with the README's table: its REF_* figures must be the README's summary row."""
+    script, readme = (ROOT / "demo.sh").read_text(), (ROOT / "README.md").read_text()
+    for name in ("REF_SFT", "REF_GRPO"):
+        mean, lo, hi = re.search(rf'^{name}="([\d.]+) ([\d.]+) ([\d.]+)"$', script, re.M).groups()
+        assert f"{mean} [{lo}, {hi}]" in readme, f"demo.sh's {name} is not in the README's demo table"

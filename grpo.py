@@ -81,14 +81,17 @@ class GRPOConfig:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (<1 makes sampler/trainer log-probs differ)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
     gen_batch: int = field(default=8, metadata={"help": "prompts per sampler call (x G rows)"})
-    loss: str = field(default="dapo", metadata={"help": "grpo: per-seq mean | dapo: token mean | dr_grpo",
-                                                "choices": ["grpo", "dapo", "dr_grpo"]})
+    loss: str = field(default="dapo", metadata={"help": "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
+                                                        "denominator | gspo: sequence ratio | cispo: clipped IS weight",
+                                                "choices": ["grpo", "dapo", "dr_grpo", "gspo", "cispo"]})
     scale_rewards: str = field(default="none", metadata={"help": "advantage scaling: group (divide by std) | none",
                                                                    "choices": ["group", "none"]})
     epsilon: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon"})
     epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high (clip-higher)"})
     beta: float = field(default=0.0, metadata={"help": "k3 KL weight to the frozen init model (0: no reference model)"})
     mu: int = field(default=1, metadata={"help": "policy updates per rollout batch"})
+    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling: weight the policy term by "
+                                                          "min(exp(trainer - sampler logp), C) (0 = off)"})
     filter_zero_std: bool = field(default=True, metadata={"help": "drop groups with all-equal rewards from the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "drop truncated completions from the loss"})
     reward_weights: str = field(default="", metadata={"help": "reward weights, e.g. 'correct=1,format=0.1'"})
@@ -151,27 +154,46 @@ def token_weights(mask: torch.Tensor, loss: str, n_seqs: float, n_tokens: float,
     completions / tokens (all ranks), so N ranks together compute the loss of one process on the whole batch;
     n_rows counts every completion of the step's batch, filtered or not (dr_grpo's constant denominator).
     """
-    if loss == "grpo":  # mean over each completion's tokens, then mean over completions
+    if loss in ("grpo", "gspo"):  # mean over each completion's tokens, then mean over completions
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / max(n_seqs, 1)
-    if loss == "dapo":  # token-level mean over the batch
+    if loss in ("dapo", "cispo"):  # token-level mean over the batch
         return mask / max(n_tokens, 1)
     if loss == "dr_grpo":  # a constant normaliser: no length bias, no dependence on how many rows were filtered
         return mask / (max(n_rows, 1) * max_len)
-    raise ValueError(f"--loss {loss!r}: expected grpo, dapo or dr_grpo")
+    raise ValueError(f"--loss {loss!r}: expected grpo, dapo, dr_grpo, gspo or cispo")
 
 
-def policy_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
-    """Per-token clipped surrogate. logp/old_logp: (N, T); adv: (N, 1). Returns l (N, T) and clip stats (N, T).
+def policy_loss(logp, old_logp, adv, mask, loss: str, eps_low: float, eps_high: float, tis=None):
+    """Per-token policy term of --loss, l (N, T), and clip stats (N, T). logp/old_logp/mask: (N, T); adv: (N, 1);
+    tis: (N, T) truncated importance weights or None. With lo, hi = 1 - eps_low, 1 + eps_high:
 
-    l_t = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A),  rho = exp(logp - old_logp)
+      grpo/dapo/dr_grpo  l_t = -min(rho_t A, clip(rho_t, lo, hi) A),  rho_t = exp(logp_t - old_t)
+      gspo               the same with one ratio per sequence, s = exp(mean over its tokens of (logp - old))
+      cispo              l_t = -sg(clip(rho_t, lo, hi)) A logp_t  (every token keeps its gradient)
+    and l_t *= tis_t when given. The ratio is read only where mask is 1 (elsewhere 1), so garbage there is inert.
     """
-    rho = torch.exp(logp - old_logp)
-    l = -torch.minimum(rho * adv, rho.clamp(1 - eps_low, 1 + eps_high) * adv)
-    stats = {
-        "clip_low": ((rho < 1 - eps_low) & (adv < 0)).float(),  # tokens where the lower clip removed the gradient
-        "clip_high": ((rho > 1 + eps_high) & (adv > 0)).float(),
-    }
+    log_ratio = torch.where(mask > 0, logp - old_logp, 0.0)  # (N, T)
+    if loss == "gspo":  # length-normalised sequence log-ratio, broadcast to its tokens
+        log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (N, 1)
+    rho = torch.exp(log_ratio)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    if loss == "cispo":  # clipping caps the weight: it never removes a token's gradient
+        l = -rho.detach().clamp(lo, hi) * adv * logp
+        low, high = rho < lo, rho > hi
+    else:
+        l = -torch.minimum(rho * adv, rho.clamp(lo, hi) * adv)
+        low, high = (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)  # where the clip removed the gradient
+    if tis is not None:
+        l = l * tis
+    stats = {"clip_low": low.float().expand_as(logp), "clip_high": high.float().expand_as(logp)}
     return l, stats
+
+
+def tis_weights(old_logp, sampler_logp, cap: float):
+    """Truncated importance sampling (N, T): min(exp(old - sampler), cap), a constant. It corrects for the trainer
+    (old_logp) and sampler disagreeing on the sampled tokens (bf16 sampling, top-p / top-k, an inference engine).
+    exp(min(x, log cap)) is the same number and cannot overflow."""
+    return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap))).detach()
 
 
 def k3_kl(logp, ref_logp, max_log_ratio: float = 20.0):
@@ -319,7 +341,9 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
             with _no_sync(model, k == n_micro - 1):
                 logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
-                l, st = policy_loss(logp, old_logp, adv[ix[k]], cfg.epsilon, cfg.epsilon_high)
+                m = lmask[ix[k]]
+                tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap) if cfg.tis_cap else None
+                l, st = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss, cfg.epsilon, cfg.epsilon_high, tis)
                 live = 1.0 if idx else 0.0  # the padding micro-batch of a rank without rows adds nothing
                 loss = (l * w[ix[k]]).sum() * live
                 kl = k3_kl(logp, ref_logp[k]) if ref is not None else None
@@ -327,7 +351,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                     loss = loss + cfg.beta * (kl * w_kl[ix[k]]).sum() * live
                 loss.backward()
             if idx:  # diagnostics: the first pass's, and the clip fractions of every pass (the ratio moves after)
-                m, first = lmask[ix[k]], float(update == 0)
+                first = float(update == 0)
                 gap = (logp.detach() - sampler_logp[ix[k]]).abs()
                 m_kl = (w_kl[ix[k]] > 0).float() if kl is not None else torch.zeros_like(m)
                 kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
@@ -390,6 +414,8 @@ def main(argv=None):
                          "G >= 2 (or --scale_rewards none)")
     if not 0 < cfg.lr < math.inf:
         raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
+    if not 0 <= cfg.tis_cap < math.inf:
+        raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
     weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]

@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def test_bad_flags_give_one_clear_line(tiny_dir, tmp_path):
     cases = [
         (["--group_size", "1", "--scale_rewards", "group"], "group_size 1"),
         (["--loss", "ppo"], "--loss"),
+        (["--tis_cap", "-1"], "--tis_cap"),
     ]
     for extra, msg in cases:
         r = subprocess.run([sys.executable, "grpo.py", "--init", str(tiny_dir), "--out_dir", str(tmp_path / "x")]
@@ -222,3 +224,21 @@ def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
     assert low > 0 and high > 0
     assert stats["clip_low"] == pytest.approx(low / 2) and stats["clip_high"] == pytest.approx(high / 2)
     assert stats["ntok"] == lmask.sum().item()  # the first pass's count (not mu x)
+
+
+@pytest.mark.parametrize("extra", [["--loss", "gspo", "--epsilon", "3e-4", "--epsilon_high", "4e-4"],
+                                   ["--loss", "cispo", "--tis_cap", "2", "--top_k", "20"]])  # fmt: skip
+def test_gspo_and_cispo_with_tis_run_off_policy(tiny_dir, tmp_path, extra):
+    """--mu 2: the second pass is off-policy, so GSPO's per-sequence clip (the paper's 3e-4 / 4e-4) bites; top-k
+    sampling makes the sampler's log-probs differ from the trainer's, which is what TIS weights (and logprob_gap
+    logs)."""
+    grpo.main(["--init", str(tiny_dir), *FLAGS, "--steps", "2", "--mu", "2", "--lr", "1e-2", *extra,
+               "--out_dir", str(tmp_path)])  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["grad_norm"]) and math.isfinite(r["clip_low"]) for r in rows)
+    informative = [r for r in rows if r["frac_zero_std"] < 1]
+    assert informative  # a step with a gradient
+    if "gspo" in extra:
+        assert all(r["clip_low"] + r["clip_high"] > 0 for r in informative)
+    else:
+        assert all(r["logprob_gap"] > 1e-3 for r in informative)

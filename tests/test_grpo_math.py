@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo import group_advantages, k3_kl, policy_loss, token_weights
+from grpo import group_advantages, k3_kl, policy_loss, tis_weights, token_weights
 
 
 def test_group_advantages_by_hand():
@@ -56,7 +56,7 @@ def _tensors():
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
 def test_each_loss_variant_by_hand(loss):
     logp, old, mask, adv = _tensors()
-    l, st = policy_loss(logp, old, adv, EPS_LOW, EPS_HIGH)
+    l, st = policy_loss(logp, old, adv, mask, loss, EPS_LOW, EPS_HIGH)
     w = token_weights(mask, loss, n_seqs=3, n_tokens=9, n_rows=3, max_len=4)
     got = (l * w).sum().item()
     per_tok = [[_hand_token_loss(i, t) * MASK[i][t] for t in range(4)] for i in range(3)]
@@ -74,7 +74,8 @@ def test_each_loss_variant_by_hand(loss):
     assert st["clip_high"][2, 3].item() == 1.0  # rho = e^1.1 > 1.28 with A = 0.5 > 0
     assert st["clip_low"].sum().item() == 0.0
     # a token with rho < 1 - eps and A < 0 is clipped low
-    l2, st2 = policy_loss(torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), 0.2, 0.28)
+    l2, st2 = policy_loss(torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1),
+                          "dapo", 0.2, 0.28)  # fmt: skip
     assert st2["clip_low"].item() == 1.0
     assert l2.item() == pytest.approx(-(0.8 * -1.0))
 
@@ -82,7 +83,7 @@ def test_each_loss_variant_by_hand(loss):
 def test_k3_kl_by_hand():
     logp, old, mask, adv = _tensors()
     ref = [[-1.2, -0.4, -2.5, 0.0], [-0.1, -0.3, 0.0, 0.0], [-1.5, -0.3, -0.2, -1.0]]
-    l, _ = policy_loss(logp, old, adv, EPS_LOW, EPS_HIGH)
+    l, _ = policy_loss(logp, old, adv, mask, "dapo", EPS_LOW, EPS_HIGH)
     kl = k3_kl(logp, torch.tensor(ref))
     for i in range(3):
         for t in range(4):
@@ -137,7 +138,7 @@ def test_one_update_gradient_is_reinforce_with_group_baseline():
     r = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
     adv = group_advantages(r, "group").view(-1, 1)
     logp = torch.log_softmax(theta, -1)[torch.arange(T)[None, :], actions]  # (G, T)
-    l, _ = policy_loss(logp, logp.detach(), adv, 0.2, 0.28)
+    l, _ = policy_loss(logp, logp.detach(), adv, mask, "grpo", 0.2, 0.28)
     w = token_weights(mask, "grpo", n_seqs=G, n_tokens=mask.sum().item(), n_rows=G, max_len=T)
     (l * w).sum().backward()
 
@@ -149,6 +150,90 @@ def test_one_update_gradient_is_reinforce_with_group_baseline():
             onehot[actions[i, t]] = 1.0
             want[t] -= w[i, t] * adv[i, 0] * (onehot - p[t])
     assert torch.allclose(theta.grad, want, atol=1e-6)
+
+
+def _grad(loss, eps, tis=None):
+    """Total loss and its gradient w.r.t. the new log-probs, for LOGP/OLD/MASK/ADV."""
+    logp, old, mask, adv = _tensors()
+    logp.requires_grad_(True)
+    l, st = policy_loss(logp, old, adv, mask, loss, eps, eps, tis)
+    w = token_weights(mask, loss, n_seqs=3, n_tokens=9, n_rows=3, max_len=4)
+    total = (l * w).sum()
+    total.backward()
+    return total.item(), logp.grad, st
+
+
+def test_gspo_by_hand():
+    """One ratio per sequence, s_i = exp(mean over its tokens of (new - old)), clipped per sequence; mean over
+    sequences. eps = 0.1: row 2 (s = e^0.15 > 1.1, A > 0) is clipped high and loses its gradient."""
+    eps = 0.1
+    total, grad, st = _grad("gspo", eps)
+    want, want_grad = 0.0, torch.zeros(3, 4)
+    for i in range(3):
+        toks = [t for t in range(4) if MASK[i][t]]
+        s = math.exp(sum(LOGP[i][t] - OLD[i][t] for t in toks) / len(toks))
+        a = ADV[i]
+        unclipped, clipped = s * a, min(max(s, 1 - eps), 1 + eps) * a
+        want += -min(unclipped, clipped) / 3
+        if unclipped <= clipped:  # d(-s a / 3) / d logp_t = -a s / (3 |o_i|) for each of its tokens
+            for t in toks:
+                want_grad[i, t] = -a * s / (3 * len(toks))
+    assert total == pytest.approx(want, rel=1e-5)
+    assert torch.allclose(grad, want_grad, atol=1e-7)
+    assert want_grad[2].abs().sum() == 0 and want_grad[0].abs().sum() > 0 and want_grad[1].abs().sum() > 0
+    assert st["clip_high"][2].tolist() == [1.0] * 4 and st["clip_high"][:2].sum() == 0
+
+
+def test_cispo_by_hand():
+    """l_t = -sg(clip(rho_t, 1 - eps, 1 + eps)) A logp_t, token mean: clipped tokens keep a (capped) gradient."""
+    eps = 0.1
+    total, grad, st = _grad("cispo", eps)
+    want, want_grad = 0.0, torch.zeros(3, 4)
+    for i in range(3):
+        for t in range(4):
+            if MASK[i][t]:
+                c = min(max(math.exp(LOGP[i][t] - OLD[i][t]), 1 - eps), 1 + eps)
+                want += -c * ADV[i] * LOGP[i][t] / 9
+                want_grad[i, t] = -c * ADV[i] / 9
+    assert total == pytest.approx(want, rel=1e-5)
+    assert torch.allclose(grad, want_grad, atol=1e-7)
+    assert (grad[torch.tensor(MASK) > 0] != 0).all()  # every token keeps its gradient
+    # rho = e^0.1 and e^-1 (row 0), e^0.6 (row 1), e^-0.5 and e^1.1 (row 2) are clipped, whatever A's sign
+    assert st["clip_high"][0, 0] == st["clip_low"][0, 2] == st["clip_high"][1, 1] == 1
+    assert st["clip_low"][2, 0] == st["clip_high"][2, 3] == 1
+    assert st["clip_low"].sum() + st["clip_high"].sum() == 5
+
+
+def test_tis_by_hand():
+    """TIS: the policy term of each token times min(exp(trainer_old - sampler), cap), a constant weight."""
+    old = torch.tensor(OLD)
+    sampler = old + torch.tensor([[0.3, -0.2, 1.0, 0.0], [-2.0, 0.1, 0.0, 0.0], [0.0, 0.5, -0.4, 1000.0]])
+    cap = 2.0
+    tis = tis_weights(old, sampler, cap)
+    for i in range(3):
+        for t in range(4):
+            assert tis[i, t].item() == pytest.approx(min(math.exp(OLD[i][t] - sampler[i, t].item()), cap), rel=1e-6)
+    assert tis[1, 0].item() == cap  # e^2 capped
+    total, grad, _ = _grad("dapo", 0.2, tis)
+    want = sum(_hand_token_loss(i, t) * tis[i, t].item() * MASK[i][t] for i in range(3) for t in range(4)) / 9
+    assert total == pytest.approx(want, rel=1e-5)
+    assert torch.isfinite(grad).all()
+    # a garbage sampler log-prob (1e30 below the trainer's) gives the cap, never inf
+    assert tis_weights(torch.zeros(1, 1), torch.full((1, 1), -1e30), cap).item() == cap
+
+
+@pytest.mark.parametrize("variant,base", [("gspo", "grpo"), ("cispo", "dapo")])
+def test_on_policy_variants_reduce_to_their_base(variant, base):
+    """With --mu 1 (old = new, every ratio 1) GSPO's gradient is GRPO's and CISPO's is DAPO's: REINFORCE with a
+    group baseline, aggregated the same way."""
+    logp, _, mask, adv = _tensors()
+    grads = []
+    for loss in (variant, base):
+        x = logp.clone().requires_grad_(True)
+        l, _ = policy_loss(x, x.detach(), adv, mask, loss, 0.2, 0.28)
+        (l * token_weights(mask, loss, 3, 9, 3, 4)).sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
 
 
 def test_bad_loss_name():

@@ -23,7 +23,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 FLAGS = ["--steps", "3", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "4", "--max_new_tokens", "16",
          "--reward_weights", "overlong=1", "--eval_every", "0", "--lr", "1e-3", "--warmup", "1",
          "--train_micro_batch", "3"]  # fmt: skip
-KEYS = ["reward", "reward_std", "overlong", "frac_zero_std", "len_mean", "len_max", "truncated", "entropy", "grad_norm"]
+KEYS = ["reward", "reward_std", "overlong", "frac_zero_std", "len_mean", "len_max", "truncated", "entropy", "grad_norm",
+        "kl", "clip_low", "clip_high"]
 
 
 def _run(cmd, out_dir):
@@ -35,7 +36,10 @@ def _run(cmd, out_dir):
 
 @pytest.mark.parametrize("loss", ["dapo", "grpo"])
 def test_two_ranks_equal_one_process(tiny_dir, tmp_path, loss):
-    flags = ["--init", str(tiny_dir), "--loss", loss] + FLAGS
+    # grpo's runs add the KL (all-reduced denominators over every completion) and a second, off-policy pass
+    # (clip fractions measured on it, summed over ranks)
+    extra = ["--beta", "0.04", "--mu", "2", "--epsilon", "0.01", "--epsilon_high", "0.01"] if loss == "grpo" else []
+    flags = ["--init", str(tiny_dir), "--loss", loss] + FLAGS + extra
     one = _run([sys.executable, "grpo.py"] + flags, tmp_path / "one")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "grpo.py"]
     modes = ["ddp", "fsdp"] if loss == "dapo" else ["ddp"]
@@ -47,6 +51,8 @@ def test_two_ranks_equal_one_process(tiny_dir, tmp_path, loss):
             for k in KEYS:
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (mode, a["step"], k, a[k], b[k])
     assert one[0]["grad_norm"] > 0  # the comparison covers real updates, not a zero gradient
+    if extra:
+        assert one[-1]["kl"] > 0 and one[0]["clip_low"] + one[0]["clip_high"] > 0
     assert one[0]["logprob_gap"] < 1e-4  # sampler and trainer agree on the sampled tokens' log-probs (fp32)
     assert (tmp_path / "one" / "latest").is_file()
 

@@ -105,15 +105,15 @@ def summarize(metrics: list[dict], marks: list[float], by_minutes: bool) -> dict
             "clip_high": mean("clip_high"), "steps": metrics[-1]["step"], "minutes": metrics[-1]["elapsed_s"] / 60}
 
 
-def spread(xs: list) -> str:
+def spread(xs: list, digits: int = 3) -> str:
     """'mean +- sample std' over seeds ('-' if a seed has no value)."""
     if not xs or any(x is None for x in xs):
         return "-"
     m = sum(xs) / len(xs)
     if len(xs) == 1:
-        return f"{m:.3f}"
+        return f"{m:.{digits}f}"
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-    return f"{m:.3f} ± {sd:.3f}"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
 def table(cfg: AblationConfig, variants, seeds, marks, by_minutes: bool, start: float | None) -> str:
@@ -134,7 +134,8 @@ def table(cfg: AblationConfig, variants, seeds, marks, by_minutes: bool, start: 
         finals[v] = [r["pass1"][-1] for r in runs]
         cells = [v, "-" if start is None else f"{start:.3f}"]
         cells += [spread([r["pass1"][i] for r in runs]) for i in range(len(marks))]
-        cells += [spread([r[k] for r in runs]) for k in ("zero_std", "clip_low", "clip_high")]
+        cells += [spread([r["zero_std"] for r in runs])]
+        cells += [spread([r[k] for r in runs], digits=5) for k in ("clip_low", "clip_high")]  # small: more digits
         cells += [spread([r["steps"] for r in runs]).replace(".000", ""), spread([r["minutes"] for r in runs])]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\n{len(seeds)} seed(s) each; pass@1: held-out greedy, mean ± sample std over seeds.")
@@ -156,8 +157,11 @@ def main(argv=None):
     budget = cfg.minutes if by_minutes else cfg.steps
     if budget <= 0:
         raise SystemExit("error: --minutes must be > 0 (or give --steps N)")
-    fifths = [budget * (i + 1) / 5 for i in range(5)]
-    default_marks = fifths if by_minutes else sorted({max(round(m), 1) for m in fifths})
+    if cfg.eval_every < 1:
+        raise SystemExit("error: --eval_every must be >= 1: the table reads the runs' held-out evals")
+    fifths = [budget * (i + 1) / 5 for i in range(5)]  # steps: rounded up to the next eval
+    default_marks = fifths if by_minutes else sorted({min(math.ceil(m / cfg.eval_every) * cfg.eval_every, budget)
+                                                      for m in fifths})
     marks = [float(m) for m in cfg.marks.split(",")] if cfg.marks else default_marks
     out = Path(cfg.out)
     init = cfg.init or str(out / "sft" / "model")

@@ -168,12 +168,12 @@ class OurSide:
         adv = grpo.group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
         lmask, keep, _ = grpo.loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std, cfg.mask_truncated)
         n_seqs, n_tokens = keep.sum().item(), lmask.sum().item()
-        w = grpo.token_weights(lmask, cfg.loss, n_seqs, n_tokens, cfg.max_new_tokens)
+        w = grpo.token_weights(lmask, cfg.loss, n_seqs, n_tokens, P * G, cfg.max_new_tokens)  # beta = 0: no KL
         row_prompts = [p for p in mine for _ in range(G)]
         lengths = roll.lengths.tolist()
         batch = grpo.training_batch(row_prompts, roll.tokens, lengths, pad)
         seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
-        grpo.update(self.model, None, self.opt, batch, seq_len, adv, lmask, w, roll.logprobs, cfg, Dist(), step)
+        grpo.update(self.model, None, self.opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, cfg, Dist(), step)
         t2 = time.perf_counter()
         self.times.append((t1 - t0, t2 - t1))
         self.lens.append(sum(lengths) / len(lengths))

@@ -5,7 +5,7 @@ One step, top to bottom (follow a batch through `main`):
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)
   4. group advantages A_i = r_i - mean(r) (optionally / (std(r) + eps))
-  5. micro-batched forward/backward of the clipped policy loss (+ beta * k3 KL to a frozen reference)
+  5. micro-batched forward/backward of the --loss policy term (+ beta * k3 KL to a frozen reference)
   6. grad clip, AdamW step, metrics (all-reduced over ranks), eval / checkpoint every N steps
 
 Launch:

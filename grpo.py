@@ -310,7 +310,7 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
     return torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1)
 
 
-def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str):
+def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str = "float32"):
     """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached), computed in `dtype`
     (the log-softmax itself in fp32). The model computes them chunk by chunk, so full (N, L, vocab) fp32 logits
     never exist."""

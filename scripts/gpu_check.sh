@@ -3,6 +3,8 @@
 # GRPO steps of the Qwen2.5-1.5B shape, plain and FSDP2 on one rank; one JSON file and a table. Prepared to finish in
 # under 8 minutes on one H200. `scripts/gpu_check.sh --tiny` runs the same on the CPU at toy shapes (a test does).
 #   scripts/gpu_check.sh [--out gpu_check.json] [--hbm_gbs 4800] [--only logits,sampler,train]
+#   scripts/gpu_check.sh --out "$OUT/gpu_check.json"    # on a lent device machine: the JSON comes back
+# Needs ~30 GB of free disk (model dirs, one 1.5B checkpoint at a time) and ~60 GB of GPU memory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python scripts/gpu_check.py "$@"

@@ -55,7 +55,15 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
-from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    export_lora,
+    publish_model,
+    resolve_model_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     JsonlLogger,
     all_reduce_named,
@@ -91,6 +99,15 @@ class SFTConfig:
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
     task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
     template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    # LoRA (off by default: every weight trains)
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base "
+                                                       "(0 = off, full fine-tuning)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
+    lora_targets: tuple[str, ...] = field(default=model_lib.LORA_TARGETS,
+                                          metadata={"help": "projections that get adapters (comma list)"})
+    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
+                                                              "choices": ["float32", "bfloat16"]})
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
     micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward on one rank"})
@@ -130,7 +147,7 @@ class SFTConfig:
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch): --resume
 # refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist, ...) may change
 RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed")
+                     "template", "global_batch", "seed", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -211,14 +228,20 @@ def main(argv=None):
         model = model_lib.Transformer(model_lib.preset_config(
             cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
+    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
+        with user_input("--lora_*"):
+            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
     seed_all(cfg.seed, d.rank)
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
     n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = wrap_model(model, cfg.dist, d)
     # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
@@ -250,7 +273,8 @@ def main(argv=None):
     state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
                       tensorboard_dir=out / "tb" if cfg.tensorboard else None, start_step=state["step"])
-    print0(f"SFT: {n_params / 1e6:.2f}M params, {len(examples)} examples ({cfg.task} {cfg.split}), global batch "
+    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} examples "
+           f"({cfg.task} {cfg.split}), global batch "
            f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
            f"dist={cfg.dist if W > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
@@ -322,7 +346,9 @@ def main(argv=None):
             break
     bar.close()
     log.close()
-    if d.is_main:
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+        export_lora(model, tok, out, d)
+    elif d.is_main:
         publish_model(ckpt, out / "model")
     print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
     cleanup_dist()

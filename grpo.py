@@ -5,7 +5,8 @@ One step, top to bottom (follow a batch through `main`):
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)
   4. group advantages A_i = r_i - mean(r) (optionally / (std(r) + eps))
-  5. micro-batched forward/backward of the clipped policy loss (+ beta * k3 KL to a frozen reference)
+  5. micro-batched forward/backward of the clipped policy loss (+ beta * k3 KL to a frozen reference: a copy of
+     the start model, or with --lora_rank the policy itself with its adapters switched off)
   6. grad clip, AdamW step, metrics (all-reduced over ranks), eval / checkpoint every N steps
 
 Launch:
@@ -387,12 +388,13 @@ def main(argv=None):
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
     with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
-        model = load_model(cfg.init, device=d.device, dtype=dtype)
+        base_dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else dtype  # read the base in its dtype
+        model = load_model(cfg.init, device=d.device, dtype=base_dtype)
         tok = load_tokenizer(cfg.init)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, seed=cfg.seed,
-                     base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
+                     base=cfg.init)
     max_pos = model.config.max_position_embeddings
     eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]

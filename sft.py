@@ -40,6 +40,9 @@ rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/
 back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes
 (launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
 
+LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter and its
+optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see the README.
+
 Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
 the global batch (long solutions weigh more).
 """
@@ -221,7 +224,8 @@ def main(argv=None):
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            model = model_lib.load_model(path, device=d.device)
+            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else torch.float32
+            model = model_lib.load_model(path, device=d.device, dtype=dtype)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
@@ -350,7 +354,10 @@ def main(argv=None):
         export_lora(model, tok, out, d)
     elif d.is_main:
         publish_model(ckpt, out / "model")
-    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
+    local = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]  # FSDP2: own shard
+    opt_bytes = sum(t.numel() * t.element_size() for t in local)
+    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state {opt_bytes / 2**20:.1f} MiB "
+           f"(rank 0); model in {out / 'model'}")
     cleanup_dist()
 
 

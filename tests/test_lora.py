@@ -290,3 +290,11 @@ def test_grpo_lora_fsdp_matches_one_process(tiny_dir, grpo_lora, tmp_path):
     for a, b in zip(metrics(grpo_lora), metrics(tmp_path / "fsdp"), strict=True):
         for k in ("reward", "kl", "entropy", "grad_norm", "len_mean"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
+
+
+def test_bad_lora_flags_are_one_error_line(tiny_dir, tmp_path):
+    with pytest.raises(SystemExit, match=r"error: --lora_\*: bad LoRA settings: rank=-1"):
+        sft.main(["--init", str(tiny_dir), "--lora_rank", "-1", "--out_dir", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match=r"error: --lora_\*: bad LoRA settings: .*targets \['q_proj', 'qproj'\]"):
+        grpo.main(["--init", str(tiny_dir), "--lora_rank", "4", "--lora_targets", "q_proj,qproj",
+                   "--out_dir", str(tmp_path / "b")])

@@ -105,6 +105,20 @@ def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path):
     assert len(metrics(out)) == 1
 
 
+def test_stop_bar_needs_consecutive_evals():
+    assert sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
+    assert not sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough
+    assert not sft.reached_bar([0.3], 0.15, 2) and not sft.reached_bar([0.3, 0.3], 0.0, 2)  # too few; off
+
+
+def test_stop_bar_never_reached_says_so_in_one_line(tmp_path, capsys):
+    sft.main([*TINY, "--stop_pass1", "0.99", "--out_dir", str(tmp_path / "weak")])  # 6 steps: pass@1 stays ~0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert len(lines) == 1 and "never reached --stop_pass1 0.99" in lines[0] and "--steps" in lines[0]
+    assert len(metrics(tmp_path / "weak")) == 6  # it ran its --steps budget, and the model is still published
+    assert (tmp_path / "weak" / "model" / "config.json").is_file()
+
+
 def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sft.main(["--help"])

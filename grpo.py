@@ -114,6 +114,9 @@ class GRPOConfig:
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this"})
     train_micro_batch: int = field(default=64, metadata={"help": "rows per forward/backward"})
+    # memory
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
@@ -406,7 +409,7 @@ def main(argv=None):
         ref = load_model(cfg.init, device=d.device, dtype=dtype).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d)
-    model = wrap_model(model, cfg.dist, d)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
     if cfg.beta > 0 and cfg.lora_rank:
         ref = model  # the reference for free: the same weights with the adapters switched off
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone

@@ -31,7 +31,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-LOGITS_CHUNK = 2**22  # targets mode: at most this many fp32 logits exist at once (16 MB)
+# targets mode: logits are computed for chunks of (row, position) pairs, each at most LOGITS_CHUNK fp32 values (64 MB)
+# and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
+LOGITS_CHUNK = 2**24
+MIN_CHUNK_TOKENS = 64
 
 
 @dataclass(kw_only=True)
@@ -254,6 +257,7 @@ def add_lora(model: "Transformer", rank: int, alpha: float, dropout: float = 0.0
     model.requires_grad_(False)
     g = torch.Generator().manual_seed(seed)
     for block in model.layers:
+        block.draws_random = dropout > 0
         for parent in (block.self_attn, block.mlp):
             for name, child in list(parent.named_children()):
                 if name in targets:
@@ -302,15 +306,30 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.checkpointed = False  # set_activation_checkpointing: recompute this block in backward
+        self.draws_random = False  # LoRA dropout: the recompute must replay the same masks
 
     def forward(self, x, cos, sin, mask, cache, layer):
+        if self.checkpointed and torch.is_grad_enabled():
+            # keep only the block's input for backward and run the block again there (RNG states are replayed only
+            # for LoRA dropout). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's does
+            return checkpoint(self._forward, x, cos, sin, mask, cache, layer, use_reentrant=False,
+                              preserve_rng_state=self.draws_random)
+        return self._forward(x, cos, sin, mask, cache, layer)
+
+    def _forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def logits_chunk_tokens(vocab_size: int) -> int:
+    """(row, position) pairs per log-prob chunk: LOGITS_CHUNK fp32 logits, at least MIN_CHUNK_TOKENS pairs."""
+    return max(LOGITS_CHUNK // vocab_size, MIN_CHUNK_TOKENS)
+
+
 def token_logp(hidden, targets, lm_head, temperature):
-    """hidden (B, t, C), targets (B, t) -> log p(target) (B, t) with grad, entropy (B, t) without."""
-    logits = lm_head(hidden).float() / temperature  # (B, t, V): one chunk's worth only
+    """hidden (n, C), targets (n,) -> log p(target) (n,) with grad, entropy (n,) without."""
+    logits = lm_head(hidden).float() / temperature  # (n, V): one chunk's worth only
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():
@@ -372,12 +391,21 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, -1:] if last_only else x).float()
-        # chunks over T, each recomputed in backward: neither pass holds (B, T, V) fp32 logits. (token_logp draws no
-        # random numbers, so the RNG states need no stashing for the recompute)
-        step = max(1, LOGITS_CHUNK // (B * self.config.vocab_size))
-        out = [checkpoint(token_logp, h, t, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
-               for h, t in zip(x.split(step, dim=1), targets.split(step, dim=1))]
-        return torch.cat([o[0] for o in out], dim=1), torch.cat([o[1] for o in out], dim=1)
+        # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
+        # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
+        n = logits_chunk_tokens(self.config.vocab_size)
+        h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
+        out = [checkpoint(token_logp, hc, tc, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
+               for hc, tc in zip(h.split(n), t.split(n))]
+        return torch.cat([o[0] for o in out]).view(B, T), torch.cat([o[1] for o in out]).view(B, T)
+
+    def set_activation_checkpointing(self, on: bool = True):
+        """Recompute each transformer block in backward instead of keeping its activations (--activation_checkpointing):
+        training holds one (rows, seq, hidden) input per block plus one block's activations, not every block's, at
+        the price of one extra forward per backward (~1/3 more compute). Call it before wrap_model (FSDP2)."""
+        for block in self.layers:
+            block.checkpointed = on
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------------------

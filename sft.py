@@ -126,6 +126,9 @@ class SFTConfig:
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
+    # memory
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
     # held-out evaluation and stopping
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
@@ -248,7 +251,7 @@ def main(argv=None):
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model = wrap_model(model, cfg.dist, d)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
     # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
     groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -126,6 +126,23 @@ def test_only_adapters_change_in_a_training_step(tiny_dir):
         assert torch.equal(v, after[k]) != (".lora_" in k), k  # every adapter moved, nothing else did
 
 
+def test_dropout_under_activation_checkpointing_gives_the_same_gradients(tiny_dir):
+    """The recompute in backward replays the forward's dropout masks (else the gradient is of another mask)."""
+    plain = lora_model(tiny_dir)
+    for m in M.lora_layers(plain).values():
+        m.dropout = torch.nn.Dropout(0.5)
+    plain.layers[0].draws_random = plain.layers[1].draws_random = True  # what add_lora sets for dropout > 0
+    ckpt = copy.deepcopy(plain).set_activation_checkpointing(True)
+    x = tokens(plain.config.vocab_size)
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(5)
+        (-model(x, targets=x)[0].mean()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    for n, g in grads[0].items():
+        assert torch.allclose(g, grads[1][n], atol=1e-6), n
+
+
 def test_merged_export_matches_adapted_model_and_transformers(base_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

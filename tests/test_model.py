@@ -159,7 +159,8 @@ def test_chunked_logp_matches_plain_log_softmax(temperature, monkeypatch):
     ref, ours = Transformer(cfg), Transformer(cfg)
     ours.load_state_dict(randomize(ref).state_dict())
     x, y = tokens(3, 17, seed=1), tokens(3, 17, seed=2)
-    monkeypatch.setattr(M, "LOGITS_CHUNK", 3 * 4 * SIZES["vocab_size"])  # 4 positions per chunk: 5 chunks
+    monkeypatch.setattr(M, "LOGITS_CHUNK", 5 * SIZES["vocab_size"])  # 5 (row, position) pairs per chunk: 11
+    monkeypatch.setattr(M, "MIN_CHUNK_TOKENS", 1)  # chunks, most of them across a row boundary
     logp, entropy = ours(x, targets=y, temperature=temperature)
     full = (ref(x) / temperature).log_softmax(-1)  # (B, T, V)
     want = full.gather(-1, y.unsqueeze(-1)).squeeze(-1)

@@ -133,6 +133,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * scaled / s["factor"] + smooth * scaled, scaled)
 
 
+def rope_cos_sin(inv_freq, input_pos, dtype):
+    """input_pos (B, T) -> cos, sin (B, T, 1, D) in dtype, sin's first half negated (see apply_rope)."""
+    freqs = input_pos.unsqueeze(-1).float() * inv_freq  # (B, T, D/2)
+    cos = torch.cat((freqs, freqs), dim=-1).cos().unsqueeze(2).to(dtype)
+    sin = torch.cat((-freqs, freqs), dim=-1).sin().unsqueeze(2).to(dtype)
+    return cos, sin
+
+
 def apply_rope(x, cos, sin):  # x (B, T, H, D); cos (B, T, 1, D); sin (B, T, 1, D) with its first half negated
     # HF's rotate-half, x * cos + cat(-x2, x1) * sin, in three ops: roll gives cat(x2, x1)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
@@ -370,10 +378,8 @@ class Transformer(nn.Module):
             self.inv_freq = self.inv_freq.to(tokens.device)
         if input_pos is None:
             input_pos = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        freqs = input_pos.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)
         x = self.embed_tokens(tokens)  # (B, T, C)
-        cos = torch.cat((freqs, freqs), dim=-1).cos().unsqueeze(2).to(x.dtype)  # (B, T, 1, D)
-        sin = torch.cat((-freqs, freqs), dim=-1).sin().unsqueeze(2).to(x.dtype)  # sign folded in: see apply_rope
+        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
         mask = None  # plain causal attention (or none at all for a single query)
         if attn_mask is not None or (start > 0 and T > 1):
             q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)

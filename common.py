@@ -274,6 +274,24 @@ def make_generator(seed: int, *ints: int, device="cpu") -> torch.Generator:
     return g
 
 
+def check_flags(cfg, at_least_1=(), at_least_0=(), positive=()):
+    """One `error:` line for the first flag out of its range (before anything is loaded or written)."""
+    for names, ok, need in ((at_least_1, lambda v: v >= 1, "at least 1"), (at_least_0, lambda v: v >= 0, ">= 0"),
+                            (positive, lambda v: 0 < v < float("inf"), "a positive finite number")):
+        for name in names:
+            value = getattr(cfg, name)
+            if not all(ok(v) for v in (value if isinstance(value, tuple) else (value,))):
+                raise SystemExit(f"error: --{name} {value}: need {need}")
+
+
+def check_packages(cfg):
+    """--wandb / --tensorboard need their package: say so before a run starts (or --overwrite deletes anything).
+    A missing package fails on every rank alike (not only on the logging rank, which would hang the others)."""
+    for package, wanted in (("wandb", getattr(cfg, "wandb", "")), ("tensorboard", getattr(cfg, "tensorboard", 0))):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+
+
 class JsonlLogger:
     """Appends one JSON object per line, flushed each time (so `tail -f` works and a crash loses nothing).
     Optionally mirrors each row's numbers to Weights & Biases (wandb_project) and/or TensorBoard (tensorboard_dir),
@@ -281,10 +299,7 @@ class JsonlLogger:
 
     def __init__(self, path, enabled: bool = True, append: bool = True, *, wandb_project: str = "",
                  tensorboard_dir=None, config: dict | None = None, start_step: int = 0):
-        # a missing package fails on every rank alike (not only on the logging rank, which would hang the others)
-        for package, wanted in (("wandb", wandb_project), ("tensorboard", tensorboard_dir)):
-            if wanted and importlib.util.find_spec(package) is None:
-                raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+        check_packages(types.SimpleNamespace(wandb=wandb_project, tensorboard=tensorboard_dir))
         self.f = self.wandb = self.tb = None
         if not enabled:
             return

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as tdist
 
 import rewards
-from checkpoint import resolve_model_dir
+from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
 from common import (
     JsonlLogger,
     all_gather_list,
+    check_flags,
     cleanup_dist,
     init_dist,
     is_dist,
@@ -43,6 +44,7 @@ from common import (
     parse_config,
     print0,
     save_json,
+    user_input,
 )
 from data import format_prompt, load_task, parse_knobs
 from model import load_model, load_tokenizer
@@ -168,15 +170,22 @@ def main(argv=None):
     cfg = parse_config(EvalConfig, argv)
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
-    path = resolve_model_dir(cfg.model)
+    check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
+                positive=("temperature", "top_p", "dist_timeout"))
+    check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
+    with user_input("--model"):  # a run dir whose `latest` is broken
+        path = resolve_model_dir(cfg.model)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {cfg.model}: not a model directory (no config.json)")
-    tok = load_tokenizer(path)
-    model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype))
-    try:
+        raise SystemExit(f"error: --model {cfg.model}: not a model directory (no config.json)")
+    with user_input("--model"):  # no weights, a truncated safetensors file, a bad config.json or tokenizer, ...
+        tok = load_tokenizer(path)
+        model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype))
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        raise SystemExit(f"data: {err}") from None
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        format_prompt(rows[0]["question"], cfg.template, tok)
+    if d.is_main:
+        mark_run_dir(cfg.out_dir, "eval")
     print0(f"eval {path} on {cfg.task} {cfg.split}: {len(rows)} problems, {d.world_size} rank(s)")
 
     modes = []  # (name, samples, temperature)

@@ -37,12 +37,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
-from checkpoint import check_finite, resume_point, save_checkpoint, start_or_resume
+from checkpoint import check_finite, release_run_dir, resume_point, save_checkpoint, start_or_resume
 from common import (
     Dist,
     JsonlLogger,
     all_reduce_named,
     any_rank,
+    check_flags,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -363,15 +364,19 @@ def main(argv=None):
     torch.set_flush_denormal(True)  # a tiny-model run once stalled on denormals without this
     seed_all(cfg.seed, d.rank)
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
+    check_flags(cfg, at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu", "steps",
+                                 "train_micro_batch"),
+                at_least_0=("top_k", "warmup", "eval_every", "save_every", "keep", "log_samples", "max_minutes",
+                            "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip"),
+                positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
                          "G >= 2 (or --scale_rewards none)")
-    if not 0 < cfg.lr < math.inf:
-        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
-    weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
+    with user_input("--reward_weights"):
+        weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
@@ -394,7 +399,8 @@ def main(argv=None):
         knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
     prompt_ids = [tok.encode(t) for t in prompt_text]
     if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
         raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -472,6 +478,7 @@ def main(argv=None):
             break
     log.close()
     samples_log.close()
+    release_run_dir(cfg.out_dir)
     cleanup_dist()
 
 

@@ -55,11 +55,20 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
-from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    publish_model,
+    release_run_dir,
+    resolve_model_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     JsonlLogger,
     all_reduce_named,
     any_rank,
+    check_flags,
     cleanup_dist,
     init_dist,
     lr_at,
@@ -176,6 +185,9 @@ def main(argv=None):
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
     W = d.world_size
+    check_flags(cfg, at_least_1=("global_batch", "micro_batch", "steps", "max_new_tokens", "stop_patience"),
+                at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay"),
+                positive=("lr", "dist_timeout"))
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
@@ -183,24 +195,19 @@ def main(argv=None):
         raise SystemExit(f"error: --global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
                          f"not divisible by --micro_batch {cfg.micro_batch}")
     accum = per_rank // cfg.micro_batch
-    if cfg.steps < 1:
-        raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
-    if not 0 < cfg.lr < math.inf:
-        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
-    try:
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         knobs = parse_knobs(cfg.task_knobs)
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(f"error: data: {e}") from None
 
     # --- model and tokenizer: an HF dir, or a fresh preset with the char tokenizer ---------------------------------
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
     if cfg.init is not None:
-        path = resolve_model_dir(cfg.init)
+        with user_input("--init"):  # a run dir whose `latest` is broken
+            path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
@@ -223,9 +230,12 @@ def main(argv=None):
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
     examples = []
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        format_prompt(rows[0]["question"], cfg.template, tok)
     for r in rows:
         prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: what the prompt opened, "<think>"
-        target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
+        with user_input("data"):  # a row without a worked solution
+            target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
         examples.append(build_example(tok.encode(prompt), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
     max_len = unwrap_model(model).config.max_position_embeddings
@@ -325,6 +335,7 @@ def main(argv=None):
     if d.is_main:
         publish_model(ckpt, out / "model")
     print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
+    release_run_dir(out)
     cleanup_dist()
 
 

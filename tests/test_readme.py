@@ -4,7 +4,6 @@
 """
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +34,8 @@ def flags_section() -> str:
 
 def test_flags_doc_matches_help():
     assert FLAGS.exists(), "docs/flags.md is missing: run `python tests/test_readme.py`"
-    assert FLAGS.read_text() == HEADER + flags_section() + "\n", "docs/flags.md is stale: run `python tests/test_readme.py`"
+    stale = "docs/flags.md is stale: run `python tests/test_readme.py`"
+    assert FLAGS.read_text() == HEADER + flags_section() + "\n", stale
 
 
 if __name__ == "__main__":

@@ -286,7 +286,7 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
     metadata classes (tensors load with weights_only=True)."""
     ckpt_dir = Path(ckpt_dir)
-    progress = json.loads((ckpt_dir / PROGRESS).read_text())
+    progress = _read_progress(ckpt_dir / PROGRESS)
     state, optim_sd = _train_state(model, optimizer)
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings:
@@ -298,8 +298,21 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     rng_file = ckpt_dir / RNG.format(dist.rank)
     if rng_file.is_file():
         rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors whoever wrote it
-        _set_rng_state(rank_state.pop("rng"))
+        rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None
+        if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
+            raise ValueError(f"{rng_file}: no RNG states (python, numpy, torch) in it; not written by minigrpo")
+        _set_rng_state(rng)
     return progress, rank_state
+
+
+def _read_progress(path: Path) -> dict:
+    """progress.json: {"step": int >= 0, "world_size": int >= 1, ...}, or a ValueError naming the file."""
+    progress = json.loads(path.read_text())  # (a JSONDecodeError is a ValueError)
+    ok = lambda k, low: isinstance(progress.get(k), int) and not isinstance(progress[k], bool) and progress[k] >= low
+    if not isinstance(progress, dict) or not ok("step", 0) or ("world_size" in progress and not ok("world_size", 1)):
+        raise ValueError(f"{path}: expected {{\"step\": N >= 0, \"world_size\": W >= 1, ...}}, got "
+                         f"{json.dumps(progress)[:80]}")
+    return progress
 
 
 # what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths

@@ -35,6 +35,7 @@ import rewards
 from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
 from common import (
     JsonlLogger,
+    Progress,
     all_gather_list,
     check_flags,
     cleanup_dist,
@@ -56,6 +57,8 @@ class EvalConfig:
     """Evaluate an HF model directory on a task split (pass@1, pass@k, maj@k, format, length, truncation)."""
     # model and data
     model: str = field(default="runs/sft/model", metadata={"help": "HF model dir or run dir (its latest checkpoint)"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="test[:400]", metadata={"help": "problems, e.g. test, test[:400], train[10%:]"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
@@ -75,6 +78,8 @@ class EvalConfig:
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16", "choices": ["float32", "bfloat16"]})
     out_dir: str = field(default="runs/eval", metadata={"help": "writes summary.json and completions.jsonl here"})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
 
 
 # -----------------------------------------------------------------------------
@@ -122,10 +127,11 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,)) -> dict:
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, dist=None,
-             seed: int = 0) -> tuple[dict, list[dict]]:
+             seed: int = 0, progress: str = "", progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
     (summary, records) on every rank; records hold one dict per completion, problem-major. Every rank must call
-    this together when distributed (it gathers), with the same rows."""
+    this together when distributed (it gathers), with the same rows. progress: a name to report progress under
+    (common.Progress: a bar on a terminal, else a line every progress_every seconds); "" = silent."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
     # where the generators live: the model's device (FSDP2 parameters are DTensors; their device is the local one)
@@ -137,6 +143,8 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     was_training = model.training
     model.eval()
     mine = []
+    rounds = math.ceil(n_batches / world)
+    bar = Progress(rounds * world, progress, enabled=bool(progress), every_s=progress_every)
     # every rank runs the same number of sampler calls (ceil(n_batches / world)); a rank without a real batch in
     # the last round generates a one-prompt dummy and drops it, so sharded (FSDP) models stay in step
     for b in range(rank, world * math.ceil(n_batches / world), world):
@@ -146,6 +154,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
         gen = generate(model, [tokenizer.encode(p) for p, _ in prompts], max_new_tokens, num_samples=samples,
                        temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
                        generator=make_generator(seed, b, device=device))
+        bar.update(world)  # rank 0 reports: every rank does one batch per round
         if dummy:
             continue
         # the host's copy of the batch (one transfer each): text and scores are bookkeeping
@@ -159,6 +168,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
                          "num_tokens": n_tok[i], "truncated": truncated[i], **score})
+    bar.close()
     model.train(was_training)
     records = sorted(all_gather_list(mine), key=lambda r: (r["problem"], r["sample"]))
     summary = summarize(records, samples, pass_k)
@@ -171,15 +181,15 @@ def main(argv=None):
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
     check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
-                positive=("temperature", "top_p", "dist_timeout"))
+                at_least_0=("progress_every",), positive=("temperature", "top_p", "dist_timeout"))
     check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
     with user_input("--model"):  # a run dir whose `latest` is broken
         path = resolve_model_dir(cfg.model)
     if not (path / "config.json").is_file():
         raise SystemExit(f"error: --model {cfg.model}: not a model directory (no config.json)")
     with user_input("--model"):  # no weights, a truncated safetensors file, a bad config.json or tokenizer, ...
-        tok = load_tokenizer(path)
-        model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype))
+        model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype), size_limits=cfg.size_limits)
+        tok = load_tokenizer(path)  # after config.json's checks: transformers reads it too
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
@@ -197,7 +207,8 @@ def main(argv=None):
     for name, n, temp in modes:
         summary, records = evaluate(model, tok, rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
-                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed)
+                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, progress=f"eval {name} batch",
+                                    progress_every=cfg.progress_every)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})

@@ -41,6 +41,7 @@ from checkpoint import check_finite, release_run_dir, resume_point, save_checkpo
 from common import (
     Dist,
     JsonlLogger,
+    Progress,
     all_reduce_named,
     any_rank,
     check_flags,
@@ -67,6 +68,8 @@ class GRPOConfig:
     """GRPO from an HF model dir: sample G completions per prompt, score them, update on group advantages."""
     # model and data
     init: str = field(default="runs/sft/model", metadata={"help": "HF model dir to start from"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     task: str = field(default="arith", metadata={"help": "task: arith | gsm8k | math"})
     split: str = field(default="train[5%:]", metadata={"help": "training problems (answers only are used)"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
@@ -106,6 +109,8 @@ class GRPOConfig:
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
     dtype: str = field(default="float32", metadata={"help": "dtype", "choices": ["float32", "bfloat16"]})
     seed: int = field(default=0, metadata={"help": "RL seed (sampling and data order)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
@@ -367,7 +372,7 @@ def main(argv=None):
     check_flags(cfg, at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu", "steps",
                                  "train_micro_batch"),
                 at_least_0=("top_k", "warmup", "eval_every", "save_every", "keep", "log_samples", "max_minutes",
-                            "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip"),
+                            "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
                 positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
@@ -381,14 +386,15 @@ def main(argv=None):
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
     with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
-        model = load_model(cfg.init, device=d.device, dtype=dtype)
+        model = load_model(cfg.init, device=d.device, dtype=dtype, size_limits=cfg.size_limits)
         tok = load_tokenizer(cfg.init)
     max_pos = model.config.max_position_embeddings
     eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     ref = None
     if cfg.beta > 0:  # frozen copy of the starting policy; with beta = 0 it is never built
-        ref = load_model(cfg.init, device=d.device, dtype=dtype).requires_grad_(False).eval()
+        ref = load_model(cfg.init, device=d.device, dtype=dtype, size_limits=cfg.size_limits)
+        ref = ref.requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d)
     model = wrap_model(model, cfg.dist, d)
@@ -417,6 +423,7 @@ def main(argv=None):
 
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
+    bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
@@ -465,17 +472,17 @@ def main(argv=None):
                                   dist=d, seed=cfg.seed)  # fmt: skip
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
-        print0(
-            f"step {step} | reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
-            f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train {t3 - t2:.2f}s"
-            + (f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else "")
-        )
+        evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
+        bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
+                   f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train "
+                   f"{t3 - t2:.2f}s{evaluated}")
         if done or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {"t_train": t_train, "stopped": "time" if done and step < cfg.steps else False}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                             config=asdict(cfg))
         if done:
             break
+    bar.close()
     log.close()
     samples_log.close()
     release_run_dir(cfg.out_dir)

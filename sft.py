@@ -52,7 +52,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import model as model_lib
 from checkpoint import (
@@ -66,6 +65,7 @@ from checkpoint import (
 )
 from common import (
     JsonlLogger,
+    Progress,
     all_reduce_named,
     any_rank,
     check_flags,
@@ -93,6 +93,8 @@ class SFTConfig:
     model: str = field(default="tiny", metadata={"help": "preset for a fresh model with the char tokenizer"})
     model_overrides: str = field(default="hidden_size=96,intermediate_size=288,num_hidden_layers=2",
                                  metadata={"help": "changes to the preset ('' = the preset as is)"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     # data
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="train[:5%]", metadata={"help": "training problems (with worked solutions)"})
@@ -123,6 +125,8 @@ class SFTConfig:
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
     out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
@@ -186,7 +190,8 @@ def main(argv=None):
     torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
     W = d.world_size
     check_flags(cfg, at_least_1=("global_batch", "micro_batch", "steps", "max_new_tokens", "stop_patience"),
-                at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay"),
+                at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay",
+                            "progress_every"),
                 positive=("lr", "dist_timeout"))
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
@@ -211,13 +216,17 @@ def main(argv=None):
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            model = model_lib.load_model(path, device=d.device)
+            model = model_lib.load_model(path, device=d.device, size_limits=cfg.size_limits)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
-        model = model_lib.Transformer(model_lib.preset_config(
-            cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
+        with user_input("--model_overrides"):  # a typo, a string where a size goes, a config bomb
+            mcfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
+                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                           **parse_knobs(cfg.model_overrides))  # fmt: skip
+            if cfg.size_limits:
+                model_lib.check_size(mcfg)
+        model = model_lib.Transformer(mcfg).to(d.device)
     seed_all(cfg.seed, d.rank)
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
@@ -270,7 +279,7 @@ def main(argv=None):
     history = list(state.get("eval_history", []))  # held-out pass@1 of every eval so far (for --stop_patience)
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
     first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
-    bar = tqdm(total=cfg.steps, initial=step, disable=not d.is_main, desc="sft", dynamic_ncols=True)
+    bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
@@ -315,8 +324,7 @@ def main(argv=None):
             recent = history[-cfg.stop_patience :]
             stop = cfg.stop_pass1 > 0 and len(recent) == cfg.stop_patience and min(recent) >= cfg.stop_pass1
         log.write(metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.1e}", pass1="-" if pass1 is None else f"{pass1:.3f}")
+        bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {'-' if pass1 is None else f'{pass1:.3f}'}")
         stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept in the checkpoint for resume
         if stop:
             print0(f"\nstep {step}: held-out pass@1 {recent} >= --stop_pass1 {cfg.stop_pass1} in {len(recent)} "

@@ -181,7 +181,7 @@ def main(argv=None):
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
     check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
-                at_least_0=("progress_every",), positive=("temperature", "top_p", "dist_timeout"))
+                at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
     check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
     with user_input("--model"):  # a run dir whose `latest` is broken
         path = resolve_model_dir(cfg.model)

@@ -297,7 +297,12 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     rank_state = {}
     rng_file = ckpt_dir / RNG.format(dist.rank)
     if rng_file.is_file():
-        rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors whoever wrote it
+        try:
+            rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors, whoever wrote it
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:  # garbage, or a pickle of code
+            refused = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))
+            why = f"the weights-only unpickler refused it: {refused.group(1)}" if refused else "not a torch.save file"
+            raise ValueError(f"{rng_file}: unreadable ({why}); was it written by minigrpo?") from None
         rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None
         if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
             raise ValueError(f"{rng_file}: no RNG states (python, numpy, torch) in it; not written by minigrpo")
@@ -307,7 +312,10 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
 
 def _read_progress(path: Path) -> dict:
     """progress.json: {"step": int >= 0, "world_size": int >= 1, ...}, or a ValueError naming the file."""
-    progress = json.loads(path.read_text())  # (a JSONDecodeError is a ValueError)
+    try:
+        progress = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     ok = lambda k, low: isinstance(progress.get(k), int) and not isinstance(progress[k], bool) and progress[k] >= low
     if not isinstance(progress, dict) or not ok("step", 0) or ("world_size" in progress and not ok("world_size", 1)):
         raise ValueError(f"{path}: expected {{\"step\": N >= 0, \"world_size\": W >= 1, ...}}, got "

@@ -396,7 +396,11 @@ def load_model(path, device="cpu", dtype=torch.float32, size_limits: bool = True
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'}: not found; is {path} a Hugging Face model directory?")
     try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        try:
+            d = json.loads((path / "config.json").read_text())
+        except ValueError as e:  # (also a file that is not UTF-8)
+            raise ValueError(f"not valid JSON ({e})") from None
+        cfg = ModelConfig.from_hf(d)
         if size_limits:
             check_size(cfg)
     except (ValueError, TypeError) as e:

@@ -64,7 +64,7 @@ def test_model_dir_table(broken, tmp_path):
     cases = {name: f"{broken[name]}/config.json: {want}" for name, (_, want) in CONFIG_CASES.items()}
     cases |= {
         "config_list": f"{broken['config_list']}/config.json: expected a JSON object, got list",
-        "config_not_json": f"{broken['config_not_json']}/config.json: Expecting property name",
+        "config_not_json": f"{broken['config_not_json']}/config.json: not valid JSON (Expecting property name",
         "index_no_map": f"{broken['index_no_map']}/model.safetensors.index.json: not a shard index",
         "index_absolute": f"{broken['index_absolute']}/model.safetensors.index.json: weight_map names '/",
         "index_dotdot": f"{broken['index_dotdot']}/model.safetensors.index.json: weight_map names '../tiny/",
@@ -121,12 +121,13 @@ class Payload:
 def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
     ckpt = "step_000001"
     cases = {  # file in the checkpoint -> (its new bytes, the part of the error after "cannot load checkpoint X: ")
-        "rng_garbage": ("rng_rank0.pt", b"\x00garbage" * 10, ""),
-        "rng_pickle": ("rng_rank0.pt", pickle.dumps(Payload()), ""),
+        "rng_garbage": ("rng_rank0.pt", b"\x00garbage" * 10, "rng_rank0.pt: unreadable ("),
+        "rng_pickle": ("rng_rank0.pt", pickle.dumps(Payload()), "rng_rank0.pt: unreadable (the weights-only unpickler "
+                                                                 "refused it: "),
         "rng_no_keys": ("rng_rank0.pt", None, "rng_rank0.pt: no RNG states (python, numpy, torch) in it"),
         "progress_no_step": ("progress.json", b'{"world_size": 1}', 'progress.json: expected {"step": N >= 0'),
         "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: expected {"step": N >= 0'),
-        "progress_not_json": ("progress.json", b'{"step": 1', "Expecting"),
+        "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (Expecting"),
     }
     import torch
 

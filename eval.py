@@ -73,6 +73,8 @@ class EvalConfig:
     pass_k: tuple[int, ...] = field(default=(1, 8), metadata={"help": "k values for pass@k and maj@k (comma list)"})
     greedy: bool = field(default=True, metadata={"help": "also run greedy pass@1 when --samples > 1"})
     batch_size: int = field(default=32, metadata={"help": "problems per sampler call (part of the eval's definition)"})
+    reward_tolerance: float = field(default=0.0, metadata={"help": "relative error at which a decimal answer "
+                                                                     "matches an exact one (0 = exact)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     # infrastructure
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16", "choices": ["float32", "bfloat16"]})
@@ -102,7 +104,7 @@ def majority_vote(answers: list) -> str | None:
     return next(a for a in answers if a is not None and counts[a] == top)
 
 
-def summarize(records: list[dict], n_samples: int, pass_k=(1,)) -> dict:
+def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float = 0.0) -> dict:
     """Summary metrics from per-completion records (problem-major, n_samples rows per problem)."""
     groups = [records[i : i + n_samples] for i in range(0, len(records), n_samples)]
     out = {"n_problems": len(groups), "samples": n_samples}
@@ -113,7 +115,8 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,)) -> dict:
     for k in sorted(set(pass_k)):
         if 1 < k <= n_samples:
             votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]["gold"]) for g in groups]
-            out[f"maj@{k}"] = sum(v is not None and rewards.answers_match(v, gold) for v, gold in votes) / len(groups)
+            hits = [v is not None and rewards.answers_match(v, gold, tolerance) for v, gold in votes]
+            out[f"maj@{k}"] = sum(hits) / len(groups)
     for key in ("correct", "format", "reward"):
         out[key] = sum(r[key] for r in records) / len(records)
     out["len_mean"] = sum(r["num_tokens"] for r in records) / len(records)
@@ -127,7 +130,8 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,)) -> dict:
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, dist=None,
-             seed: int = 0, progress: str = "", progress_every: float = 30.0) -> tuple[dict, list[dict]]:
+             seed: int = 0, tolerance: float = 0.0, progress: str = "",
+             progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
     (summary, records) on every rank; records hold one dict per completion, problem-major. Every rank must call
     this together when distributed (it gathers), with the same rows. progress: a name to report progress under
@@ -164,20 +168,21 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             p, j = divmod(i, samples)
             text = tokenizer.decode(tokens[i][: n_tok[i]], skip_special_tokens=True)
             response = prompts[p][1] + text  # what the prompt opened ("<think>") + the completion
-            score = rewards.reward(response, batch[p]["answer"])
+            score = rewards.reward(response, batch[p]["answer"], tolerance=tolerance)
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
                          "num_tokens": n_tok[i], "truncated": truncated[i], **score})
     bar.close()
     model.train(was_training)
     records = sorted(all_gather_list(mine), key=lambda r: (r["problem"], r["sample"]))
-    summary = summarize(records, samples, pass_k)
+    summary = summarize(records, samples, pass_k, tolerance)
     summary.update(temperature=temperature, time_s=time.perf_counter() - t0)
     return summary, records
 
 
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv)
+    rewards.check_tolerance(cfg.reward_tolerance)
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
     check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
@@ -207,8 +212,8 @@ def main(argv=None):
     for name, n, temp in modes:
         summary, records = evaluate(model, tok, rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
-                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, progress=f"eval {name} batch",
-                                    progress_every=cfg.progress_every)
+                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance,
+                                    progress=f"eval {name} batch", progress_every=cfg.progress_every)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})

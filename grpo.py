@@ -96,6 +96,8 @@ class GRPOConfig:
     filter_zero_std: bool = field(default=True, metadata={"help": "drop groups with all-equal rewards from the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "drop truncated completions from the loss"})
     reward_weights: str = field(default="", metadata={"help": "reward weights, e.g. 'correct=1,format=0.1'"})
+    reward_tolerance: float = field(default=0.0, metadata={"help": "relative error at which a decimal answer "
+                                                                     "matches an exact one (0 = exact)"})
     # optimisation
     steps: int = field(default=3000, metadata={"help": "optimizer steps (upper bound when --max_minutes is set)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time (0 = off)"})
@@ -243,7 +245,7 @@ def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPO
     texts = tok.batch_decode(rows, skip_special_tokens=True)
     scores = [
         rewards.reward(prefixes[i // G] + t, answers[i // G], weights, num_tokens=lengths[i],
-                       max_tokens=cfg.max_new_tokens)
+                       max_tokens=cfg.max_new_tokens, tolerance=cfg.reward_tolerance)
         for i, t in enumerate(texts)
     ]  # fmt: skip
     r = torch.tensor([s["reward"] for s in scores], dtype=torch.float32, device=roll.tokens.device)
@@ -379,6 +381,7 @@ def main(argv=None):
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
                          "G >= 2 (or --scale_rewards none)")
+    rewards.check_tolerance(cfg.reward_tolerance)
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
     with user_input("--reward_weights"):
         weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
@@ -469,7 +472,7 @@ def main(argv=None):
         done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d))
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  dist=d, seed=cfg.seed)  # fmt: skip
+                                  dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance)  # fmt: skip
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""

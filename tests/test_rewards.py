@@ -1,6 +1,7 @@
 """rewards.py: answer matching tables, strict R1 parsing, reward components, fuzzing, and the real GSM8K/MATH golds."""
 
 import json
+import random
 import subprocess
 import sys
 import time
@@ -101,7 +102,7 @@ MATCH_CASES = [
     ("(1,2)", "(1,2,3)", False),
     ("(3,4]", "(3,4)", False),
     ("[3,4]", "(3,4)", False),
-    ("1,-2", "-2,1", False),
+    ("1,-2", "-2,1", True),  # a bare list is "all the solutions, separated by commas": order-free
     ("evelyn", "Evelyn", False),
     ("q-p", "p - q", False),
     ("2k", "2", False),
@@ -219,6 +220,169 @@ def test_rewards_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+# ---------------------------------------------------------------- the answer grammar: values, not strings
+# Each pair is written by hand from the mathematics (not from this code's output): EQUIVALENT pairs are the same
+# answer, DIFFERENT pairs are not, whatever their surface similarity.
+
+EQUIVALENT = [
+    # delimiters and wrappers a model puts around the answer
+    ("\\( 9 \\)", "9"), ("\\[ 9 \\]", "9"), ("$$ 9 $$", "9"), ("$9$", "9"), ("\\(\\frac{1}{2}\\)", "0.5"),
+    ("\\left( \\frac{1}{3} \\right)", "\\frac13"), ("\\cfrac{1}{3}", "1/3"), ("\\displaystyle\\frac{2}{3}", "2/3"),
+    ("12 \\textnormal{ miles}", "12"), ("5 \\mbox{ cm}^2", "5"), ("2\\sqrt{2} \\text{ cm}", "2\\sqrt2"),
+    ("\\frac{\\pi}{3} \\text{ radians}", "\\frac{\\pi}{3}"), ("10{,}080", "10080"), ("\\textbf{7}", "7"),
+    # a trailing equation
+    ("x = 11", "11"), ("k=1", "1"), ("\\theta = \\frac{\\pi}{4}", "\\frac{\\pi}{4}"), ("a_1 = 3", "3"),
+    ("n = 2\\sqrt{3}", "\\sqrt{12}"), ("11", "x=11"),
+    # sums and products reordered
+    ("15+2\\sqrt{33}", "2\\sqrt{33}+15"), ("6-5i", "-5i+6"), ("3+4i", "4i+3"), ("x+y", "y+x"), ("ab", "ba"),
+    ("2x", "x \\cdot 2"), ("2 \\times 3", "6"), ("-13x+3", "3-13x"), ("a-b+c", "c+a-b"), ("2xy", "y \\cdot 2x"),
+    # fractions combined or split
+    ("\\frac{x}{7}+\\frac{2}{7}", "\\frac{x+2}{7}"), ("\\frac{1}{2}+\\frac{1}{3}", "\\frac{5}{6}"),
+    ("\\frac{3}{6}", "\\frac12"), ("\\frac{-1}{2}", "-\\frac12"), ("\\frac{1}{-2}", "-0.5"), ("6/4", "3/2"),
+    ("\\frac{2x}{4}", "\\frac{x}{2}"), ("\\frac{x^2-1}{x-1}", "x+1"), ("\\frac{1}{x}+\\frac{1}{y}", "\\frac{x+y}{xy}"),
+    ("\\frac{\\frac{1}{2}}{3}", "\\frac16"), ("\\frac{4}{\\sqrt{2}}", "2\\sqrt{2}"), ("1\\frac{1}{2}", "\\frac32"),
+    # radicals
+    ("\\sqrt8", "2\\sqrt2"), ("\\sqrt{12}", "2\\sqrt{3}"), ("\\sqrt{4}", "2"), ("\\sqrt[3]{8}", "2"),
+    ("\\sqrt[3]{-27}", "-3"), ("\\sqrt{\\frac{1}{4}}", "\\frac12"), ("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt3"),
+    ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"), ("\\sqrt{2}\\sqrt{3}", "\\sqrt6"), ("\\sqrt{50}", "5\\sqrt{2}"),
+    ("2^{1/2}", "\\sqrt2"), ("8^{2/3}", "4"), ("\\sqrt{18}+\\sqrt{2}", "4\\sqrt2"), ("3\\sqrt{3}", "\\sqrt{27}"),
+    ("\\frac{2}{\\sqrt{3}-1}", "\\sqrt{3}+1"), ("\\sqrt{-4}", "2i"), ("(1+\\sqrt{5})/2", "\\frac{1+\\sqrt5}{2}"),
+    # powers, pi, e, functions
+    ("2^{10}", "1024"), ("x^2 \\cdot x^3", "x^5"), ("(x+1)^2", "x^2+2x+1"), ("x^{-1}", "\\frac1x"), ("2^{-2}", "0.25"),
+    ("\\pi r^2", "r^2\\pi"), ("2\\pi", "\\pi+\\pi"), ("\\frac{\\pi}{2}", "0.5\\pi"),
+    ("\\frac{3\\pi}{4}", "\\frac34\\pi"),
+    ("e^2", "e \\cdot e"), ("e^{i\\pi}", "-1"), ("\\sin^2 x + \\cos^2 x", "1"), ("\\ln(e^3)", "3"),
+    ("\\log_2 8", "3"), ("5!", "120"), ("\\frac{6!}{4!}", "30"), ("|-3|", "3"), ("(2+i)(2-i)", "5"), ("i^2", "-1"),
+    ("\\sin(\\pi/6)", "\\frac12"), ("\\alpha + \\beta", "\\beta + \\alpha"),
+    ("4\\pi\\sqrt{3}", "\\sqrt{48}\\pi"),
+    # decimals against decimals, exact rationals
+    ("0.5", "\\frac{1}{2}"), ("1.25", "\\frac54"), ("0.125", "1/8"), ("-2.5", "-\\frac52"), ("3.0", "3"),
+    ("2.50", "5/2"), ("\\frac{0.5}{2}", "0.25"),
+    # relations and inequalities written from the other side
+    ("5 \\geq x", "x \\leq 5"), ("x > 3", "3 < x"), ("1 < x < 2", "2 > x > 1"), ("y = 2x+3", "y = 3+2x"),
+    ("2x+3 = y", "y = 2x + 3"), ("x \\ge -1", "-1 \\le x"), ("a \\neq b", "b \\ne a"), ("x<5", "x \\lt 5"),
+    # inequalities against intervals
+    ("x \\le 5", "(-\\infty, 5]"), ("x > 2", "(2, \\infty)"), ("1 \\le x < 3", "[1, 3)"), ("-2 < x \\le 0", "(-2,0]"),
+    ("x \\in [0, 1]", "[0,1]"), ("x\\geq \\frac12", "[0.5,\\infty)"),
+    # tuples and intervals in order, values compared inside
+    ("(1, \\sqrt{4})", "(1,2)"), ("(\\frac12, 0.25)", "(0.5, \\frac14)"), ("[\\sqrt2, \\pi)", "[2^{1/2}, \\pi)"),
+    ("(3, \\frac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)"), ("(-\\infty, 0)", "(-\\infty,0)"),
+    ("(x+1, 2)", "(1+x, 2)"),
+    # sets, bare lists and unions are order-free
+    ("-2,1", "1,-2"), ("3, 5, 7", "7, 3, 5"), ("\\{1,2\\}", "\\{2,1\\}"), ("\\{1, 2, 3\\}", "3,1,2"),
+    ("\\sqrt2, -\\sqrt2", "-\\sqrt{2}, \\sqrt{2}"), ("(9,36) \\cup (0,9)", "(0,9) \\cup (9,36)"),
+    ("(-\\infty, 2) \\cup (3, \\infty)", "(3,\\infty)\\cup(-\\infty,2)"), ("\\emptyset", "\\{\\}"),
+    ("1 \\pm \\sqrt{2}", "1+\\sqrt2, 1-\\sqrt2"), ("\\pm 3", "3, -3"), ("11,\\! 111,\\! 100", "11111100"),
+    # matrices element-wise
+    ("\\begin{pmatrix} 16/49 \\\\ 48/49 \\end{pmatrix}",
+     "\\begin{pmatrix}\\frac{16}{49}\\\\\\frac{48}{49}\\end{pmatrix}"),
+    ("\\begin{pmatrix} 1 & \\sqrt4 \\\\ 0 & 1 \\end{pmatrix}", "\\begin{pmatrix}1&2\\\\0&1\\end{pmatrix}"),
+    # thousands, kept for GSM8K
+    ("1,000", "1000"), ("10,\\!080", "10080"), ("-1,234", "-1234"), ("\\$1,000.50", "1000.5"),
+]
+
+DIFFERENT = [
+    # near misses in value
+    ("\\sqrt8", "\\sqrt2"), ("2\\sqrt3", "3\\sqrt2"), ("15+2\\sqrt{33}", "15+3\\sqrt{33}"),
+    ("\\frac{x}{7}", "\\frac{x}{8}"), ("\\frac{x+2}{7}", "\\frac{x}{7}+2"), ("\\frac{1}{12}", "\\frac{1}{13}"),
+    ("\\pi", "2\\pi"), ("\\frac{\\pi}{2}", "\\frac{\\pi}{3}"),
+    ("e^2", "e^3"), ("2^{10}", "1023"), ("\\sqrt{4}", "-2"), ("\\sqrt[3]{8}", "3"), ("\\sqrt[3]{9}", "\\sqrt{3}"),
+    ("(x+1)^2", "x^2+1"), ("x^2", "2x"), ("x^3", "x^2"), ("\\frac{1}{x}", "x"), ("x+y", "x-y"), ("x-y", "y-x"),
+    ("xy", "x+y"), ("2x", "x^2"), ("x", "y"), ("a", "b"), ("k", "1"), ("3R^2", "3R"), ("\\sin x", "\\cos x"),
+    ("\\sin^2 x", "\\sin x"), ("\\ln 2", "\\ln 3"), ("5!", "5"), ("|x|", "x+1"), ("i", "1"), ("3+4i", "3-4i"),
+    ("6-5i", "6+5i"), ("2i", "2"), ("\\alpha", "\\beta"), ("x_1", "x_2"), ("-\\frac{1}{2}", "\\frac{1}{2}"),
+    ("1\\frac{1}{2}", "\\frac12"), ("\\frac{1}{2}\\frac{1}{2}", "\\frac14 + 1"), ("10^{100}", "10^{100}+1"),
+    ("2^{1/2}", "2^{1/3}"), ("8^{2/3}", "8^{3/2}"), ("\\sqrt{-4}", "2"), ("e^{i\\pi}", "1"),
+    # decimals are approximations (exact tasks): not equal to the irrational they round
+    ("\\pi", "3.14"), ("\\pi", "3.14159265358979"), ("\\sqrt{2}", "1.414"), ("\\sqrt2", "1.4142135623730951"),
+    ("\\frac{1}{3}", "0.333"), ("\\frac{1}{3}", "0.3333333333333333"), ("\\frac{1}{12}", "0.0833333333333333"),
+    ("e", "2.718281828459045"), ("\\frac{2}{3}", "0.67"), ("0.1", "0.10000001"),
+    # relations
+    ("x < 5", "x \\le 5"), ("x > 5", "x < 5"), ("x \\ge 3", "x \\le 3"), ("1 < x < 2", "1 \\le x \\le 2"),
+    ("y = 2x+3", "y = 2x-3"), ("y = x", "y = 2x"), ("x = 11", "12"), ("x = 5", "y = 5"),
+    ("a \\ne b", "a = b"), ("x < 5", "5"),
+    ("x \\le 5", "(-\\infty, 5)"), ("x > 2", "[2, \\infty)"), ("x > 2", "(-\\infty, 2)"), ("1 \\le x < 3", "[1, 3]"),
+    ("15 < x < -29", "(15, -29)"), ("x < 2 < 1", "(2, 1)"),
+    # tuples, intervals: order and brackets matter
+    ("(1,2)", "(2,1)"), ("(1,2)", "[1,2]"), ("(3,4]", "(3,4)"), ("[0,1)", "(0,1]"), ("(1,2)", "(1,2,3)"),
+    ("(1,\\sqrt2)", "(1,\\sqrt3)"), ("(2, \\infty)", "(2, -\\infty)"), ("(-\\infty, 2)", "(-\\infty, 3)"),
+    ("(1,2)", "1,2"), ("(0, \\infty)", "(0, 100)"),
+    # sets, lists, unions
+    ("1,2", "1,2,3"), ("1,2", "1,3"), ("1,1,2", "1,2,2"), ("\\{1,2\\}", "\\{1,3\\}"), ("\\sqrt2,-\\sqrt2", "\\sqrt2"),
+    ("(0,9) \\cup (9,36)", "(0,36)"), ("(0,9) \\cup (9,36)", "(0,9) \\cup [9,36)"), ("\\emptyset", "0"),
+    ("32, 349", "32349"), ("1 \\pm \\sqrt{2}", "1+\\sqrt2"), ("\\pm 3", "3"), ("1, 000", "1000"), ("5,5", "55"),
+    # matrices
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}2\\\\1\\end{pmatrix}"),
+    ("\\begin{pmatrix}1&2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+    # words, text and malformed input are never read as arithmetic
+    ("even", "neve"), ("odd", "dod"), ("\\text{even}", "\\text{odd}"), ("Evelyn", "evelyn"), ("cat", "act"),
+    ("\\cot\0x", "\\cot x"), ("\\cotx", "\\cot x"), ("1/0", "0"), ("\\frac{1}{0}", "\\frac{2}{0}"), ("0/0", "0/0 + 1"),
+    ("x/0", "y/0"), ("\\infty", "-\\infty"), ("\\infty", "10^{100}"), ("\\frac{\\infty}{2}", "\\infty"),
+    ("((((1))))", "2"), ("1e5", "100000"), ("2^{100000}", "2^{100001}"), ("9^{9^{9}}", "9^{9^{9}}+1"),
+    ("(1", "1"), ("1)", "1"), ("\\sqrt", "\\sqrt{}"), ("x=", "="), ("", "0"), ("{", "}"), ("\\frac{1}{2", "0.5"),
+    ("A", "B"), ("(A)", "(B)"), ("\\text{(C)}", "D"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", EQUIVALENT)
+def test_equivalent_forms_match(pred, gold):
+    assert answers_match(pred, gold) and answers_match(gold, pred)
+
+
+@pytest.mark.parametrize("pred,gold", DIFFERENT)
+def test_different_answers_stay_apart(pred, gold):
+    assert not answers_match(pred, gold) and not answers_match(gold, pred)
+
+
+def test_grammar_tables_are_large():
+    assert len(EQUIVALENT) >= 100 and len(DIFFERENT) >= 100
+
+
+# Decimal against exact only within --reward_tolerance: (pred, gold, tolerance, match)
+TOLERANCE_CASES = [
+    ("0.0833333333333333", "\\frac{1}{12}", 1e-9, True),
+    ("0.0833333333333333", "\\frac{1}{12}", 0.0, False),
+    ("3.14159265358979", "\\pi", 1e-9, True),
+    ("3.14", "\\pi", 1e-9, False),
+    ("3.14", "\\pi", 1e-3, True),
+    ("1.414", "\\sqrt2", 1e-3, True),
+    ("1.414", "\\sqrt2", 1e-4, False),
+    ("0.333", "\\frac13", 1e-2, True),
+    ("0.333", "\\frac13", 1e-4, False),
+    ("(0.5, 1.7320508)", "(\\frac12, \\sqrt3)", 1e-6, True),
+    ("7", "7.0000001", 1e-6, True),
+    ("7", "8", 0.1, False),  # 1/8 relative error
+]
+
+
+@pytest.mark.parametrize("pred,gold,tolerance,expected", TOLERANCE_CASES)
+def test_reward_tolerance(pred, gold, tolerance, expected):
+    assert answers_match(pred, gold, tolerance) is expected
+    wrapped = f"<think>r</think> <answer>{pred}</answer>"
+    assert reward(wrapped, gold, tolerance=tolerance)["correct"] == float(expected)
+
+
+def test_check_tolerance_rejects_bad_values():
+    rewards.check_tolerance(0.0)
+    rewards.check_tolerance(1e-6)
+    for bad in (-1e-9, 1.0, float("nan"), float("inf")):
+        with pytest.raises(SystemExit, match="error: --reward_tolerance"):
+            rewards.check_tolerance(bad)
+
+
+def test_bounds_give_up_cleanly():
+    # over the token, depth and item caps the tree comparison is skipped: only equal strings match
+    deep = "(" * 40 + "1" + ")" * 40
+    assert answers_match(deep, deep) and not answers_match(deep, "1")
+    many = "+".join(["1"] * 300)
+    assert not answers_match(many, "300")  # over MAX_TOKENS
+    assert answers_match("+".join(["1"] * 100), "100")  # under it
+    big_list = ",".join(str(k) for k in range(40))
+    shuffled = ",".join(str(k) for k in reversed(range(40)))
+    assert not answers_match(big_list, shuffled)  # over MAX_ITEMS: not matched order-free
+    assert answers_match(",".join(str(k) for k in range(20)), ",".join(str(k) for k in reversed(range(20))))
+
+
 # ---------------------------------------------------------------- fuzzing: never raises, bounded time
 
 
@@ -242,7 +406,11 @@ def _timed_all(text: str) -> None:
 
 FRAGMENTS = ["<think>", "</think>", "<answer>", "</answer>", "{", "}", "\\boxed{", "\\frac", "\\frac{", "\\text{",
              "\\sqrt", "\\left(", "\\right)", "(", ")", "[", ",", "1", "9" * 50, "/", ".", "-", "+", "$", "%", "\\",
-             "\\!", " ", "\n", "x=", "^\\circ", " cm", "é", "∞", "−", "\u200b", "😀", "<|endoftext|>"]
+             "\\!", " ", "\n", "x=", "^\\circ", " cm", "é", "∞", "−", "\u200b", "😀", "<|endoftext|>",
+             # the answer grammar: operators, relations, sets, roots, constants, functions, variables
+             "^", "^{", "*", "\\cdot", "!", "|", "=", "<", "\\le", "\\geq", "\\cup", "\\{", "\\}", "\\in",
+             "\\sqrt[", "]", "\\pi", "\\infty", "e", "i", "x", "y", "_", "\\sin", "\\log_", "\\alpha", "0", "2", "\\0",
+             "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "1.5", "\\text{ cm}", "{,}", "\x00", "9^{9^{9}}"]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 
@@ -263,6 +431,27 @@ def test_fuzz_adversarial_fragments(text):
 def test_fuzz_long_repeats(fragment, count):
     # deep nesting and 100k repeated tags/braces/digits, just under and far over the answer cap
     _timed_all(fragment * count)
+
+
+def _fuzz_many(n: int, seed: int) -> None:
+    """n random fragment strings (up to 60 fragments) against MATH-like golds: no call may raise."""
+    rng = random.Random(seed)
+    golds = ["\\frac{\\sqrt{3}}{2}", "(1,2)", "x \\le 5", "2\\sqrt{2}", "1,-2", "\\{1,2\\}", "12", "\\pi"]
+    for _ in range(n):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randrange(1, 60)))
+        for gold in golds[: 2 + rng.randrange(len(golds) - 1)]:
+            answers_match(text, gold)
+            answers_match(text, gold, 1e-6)
+        reward(f"<think>r</think> <answer>{text}</answer>", text)
+
+
+def test_fuzz_no_exception():
+    _fuzz_many(500, seed=0)
+
+
+@pytest.mark.slow
+def test_fuzz_no_exception_100k():
+    _fuzz_many(100_000, seed=1)
 
 
 # ---------------------------------------------------------------- the real benchmarks (skipped without the data)

@@ -108,6 +108,9 @@ class GRPOConfig:
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this"})
     train_micro_batch: int = field(default=64, metadata={"help": "rows per forward/backward"})
+    # memory
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
@@ -400,7 +403,7 @@ def main(argv=None):
         ref = ref.requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d)
-    model = wrap_model(model, cfg.dist, d)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
 
     # --- data: prompts are tokenized once ------------------------------------------------------------------------

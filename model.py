@@ -30,7 +30,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-LOGITS_CHUNK = 2**22  # targets mode: at most this many fp32 logits exist at once (16 MB)
+# targets mode: logits are computed for chunks of (row, position) pairs, each at most LOGITS_CHUNK fp32 values (64 MB)
+# and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
+LOGITS_CHUNK = 2**24
+MIN_CHUNK_TOKENS = 64
 
 
 @dataclass(kw_only=True)
@@ -158,7 +161,11 @@ def check_size(cfg: ModelConfig):
 
 
 PRESETS = {
-    # the built-in demo: small enough that GRPO samples 128 rows x 80 tokens per step on 2 CPU cores
+    # the built-in demo's model (sft.py's default), calibrated with its SFT recipe (README, "The demo"): a change
+    # here moves the step at which SFT lands in GRPO's band; tests/test_demo.py guards it
+    "demo": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    # small enough that GRPO samples 128 rows x 80 tokens per step on 2 CPU cores
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True),
     "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -270,15 +277,29 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.checkpointed = False  # set_activation_checkpointing: recompute this block in backward
 
     def forward(self, x, cos, sin, mask, cache, layer):
+        if self.checkpointed and torch.is_grad_enabled():
+            # keep only the block's input for backward and run the block again there (no dropout: no RNG to
+            # replay). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's wrapper does
+            return checkpoint(self._forward, x, cos, sin, mask, cache, layer, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._forward(x, cos, sin, mask, cache, layer)
+
+    def _forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def logits_chunk_tokens(vocab_size: int) -> int:
+    """(row, position) pairs per log-prob chunk: LOGITS_CHUNK fp32 logits, at least MIN_CHUNK_TOKENS pairs."""
+    return max(LOGITS_CHUNK // vocab_size, MIN_CHUNK_TOKENS)
+
+
 def token_logp(hidden, targets, lm_head, temperature):
-    """hidden (B, t, C), targets (B, t) -> log p(target) (B, t) with grad, entropy (B, t) without."""
-    logits = lm_head(hidden).float() / temperature  # (B, t, V): one chunk's worth only
+    """hidden (n, C), targets (n,) -> log p(target) (n,) with grad, entropy (n,) without."""
+    logits = lm_head(hidden).float() / temperature  # (n, V): one chunk's worth only
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():
@@ -340,12 +361,21 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, -1:] if last_only else x).float()
-        # chunks over T, each recomputed in backward: neither pass holds (B, T, V) fp32 logits. (token_logp draws no
-        # random numbers, so the RNG states need no stashing for the recompute)
-        step = max(1, LOGITS_CHUNK // (B * self.config.vocab_size))
-        out = [checkpoint(token_logp, h, t, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
-               for h, t in zip(x.split(step, dim=1), targets.split(step, dim=1))]
-        return torch.cat([o[0] for o in out], dim=1), torch.cat([o[1] for o in out], dim=1)
+        # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
+        # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
+        n = logits_chunk_tokens(self.config.vocab_size)
+        h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
+        out = [checkpoint(token_logp, hc, tc, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
+               for hc, tc in zip(h.split(n), t.split(n))]
+        return torch.cat([o[0] for o in out]).view(B, T), torch.cat([o[1] for o in out]).view(B, T)
+
+    def set_activation_checkpointing(self, on: bool = True):
+        """Recompute each transformer block in backward instead of keeping its activations (--activation_checkpointing):
+        training holds one (rows, seq, hidden) input per block plus one block's activations, not every block's, at
+        the price of one extra forward per backward (~1/3 more compute). Call it before wrap_model (FSDP2)."""
+        for block in self.layers:
+            block.checkpointed = on
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------------------

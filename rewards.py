@@ -17,7 +17,7 @@ The R1 format (what earns `format` = 1), checked by `parse_r1` on the full respo
 
 Answer checking (`answers_match`) normalises both sides to a whitespace-free string, then compares:
 1. the strings, or both as exact numbers (to_number: 72.00, .5, 3/4, \frac{3}{4}, mixed 1\frac{4}{5});
-2. else the values of their trees (parse_answer: a bounded LL(1) parser, no eval/exec/sympy).
+2. else the values of their trees (parse_answer: a bounded recursive-descent parser, no eval/exec/sympy).
 Normalisation: the last \boxed{}/\fbox{}; \( \) \[ \] $ $$ \displaystyle \left \right dropped; \dfrac \tfrac
 \cfrac -> \frac; \text \textnormal \mbox \mathrm ... unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5);
 spacing (\! \, \;) and whitespace dropped, except one space between a command and a letter ("\cot x" is not
@@ -360,8 +360,9 @@ def _canonical_atom(s: str) -> str:
 #                ("union", [parts]); ("matrix", [[cells]])
 # Bounds: MAX_TOKENS tokens, MAX_DEPTH nested groups, MAX_ITEMS items per collection, exact numbers of at most
 # MAX_BITS bits (larger ones are compared numerically), and STEP_BUDGET node visits per answers_match call. The
-# parser is LL(1) (one pass, no backtracking), so a call costs at most O(MAX_TOKENS) to parse plus STEP_BUDGET
-# visits, each one arithmetic operation on numbers of at most MAX_BITS bits (or one complex float operation).
+# parser reads tokens once with fixed lookahead (no backtracking). Worst case of one call: a few O(MAX_TOKENS)
+# parses, then at most STEP_BUDGET node visits, each one operation on numbers of at most MAX_BITS bits (an exact
+# root: Newton's method on them) or one complex float operation; over the budget the call returns False.
 
 MAX_TOKENS = 400
 MAX_DEPTH = 24
@@ -405,7 +406,7 @@ def _tokenize(s: str) -> list[str]:
 
 
 class _Parser:
-    """Recursive descent over a token list; every method consumes tokens or raises _Fail (one pass, LL(1))."""
+    """Recursive descent over a token list; every method consumes tokens or raises _Fail (one pass, no backtracking)."""
 
     def __init__(self, toks: list[str]):
         self.toks, self.i, self.depth = toks, 0, 0

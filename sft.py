@@ -26,8 +26,9 @@ not enough. For the char-level demo this is what lands the model where RL can st
 accuracy rises as a sharp jump whose position varies by 500+ steps between seeds, so no fixed step count does. The
 slice is small on purpose (1,000 worked solutions): with 10%, continuing SFT learned the task by imitation and beat
 GRPO; with 5%, seed 0 under a 2000-step cosine never passed 0.10, and GRPO from 0.07 did not move (hence 4000).
-The demo model is the tiny preset cut to 2 layers of width 96 (~0.23M parameters, --model_overrides): it learns as
-fast per step as the 0.8M preset at less than half the cost; weight decay 0.1 brings the jump earlier.
+The demo model is model.py's `demo` preset, the tiny preset cut to 2 layers of width 96: it learns as fast per step
+as the 0.8M preset at less than half the cost; weight decay 0.1 brings the jump earlier. A run whose held-out pass@1
+never reaches --stop_pass1 says so in one line at the end (demo.sh then stops before GRPO).
 
 Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model dir + train
 state), latest, tb/ and wandb_run_id (with --tensorboard / --wandb), and model/ (the final HF model dir: config.json,
@@ -90,9 +91,9 @@ class SFTConfig:
     """Supervised fine-tuning on worked solutions (loss on completion tokens only)."""
     # model
     init: str | None = field(default=None, metadata={"help": "HF model dir to start from (none: fresh --model preset)"})
-    model: str = field(default="tiny", metadata={"help": "preset for a fresh model with the char tokenizer"})
-    model_overrides: str = field(default="hidden_size=96,intermediate_size=288,num_hidden_layers=2",
-                                 metadata={"help": "changes to the preset ('' = the preset as is)"})
+    model: str = field(default="demo", metadata={"help": "preset for a fresh model with the char tokenizer "
+                                                         "(model.PRESETS)"})
+    model_overrides: str = field(default="", metadata={"help": "changes to the preset, e.g. 'num_hidden_layers=3'"})
     size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
                                                                "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     # data
@@ -116,6 +117,9 @@ class SFTConfig:
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
+    # memory
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
     # held-out evaluation and stopping
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
@@ -171,6 +175,12 @@ def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     mask = targets != -100  # (B, T)
     logp, _ = model(inputs, targets=targets.clamp(min=0))  # (B, T) log-probs of the targets, chunked over T
     return -(logp * mask).sum()
+
+
+def reached_bar(history: list[float], target: float, patience: int) -> bool:
+    """Whether the last `patience` held-out evals all reach `target` (one lucky eval is not enough; 0 = off)."""
+    recent = history[-patience:]
+    return target > 0 and len(recent) == patience and min(recent) >= target
 
 
 def no_sync(model, last: bool):
@@ -231,7 +241,7 @@ def main(argv=None):
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
     n_params = sum(p.numel() for p in model.parameters())
-    model = wrap_model(model, cfg.dist, d)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
     # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -321,14 +331,13 @@ def main(argv=None):
             pass1 = summary["pass@1"]
             metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
             history.append(pass1)
-            recent = history[-cfg.stop_patience :]
-            stop = cfg.stop_pass1 > 0 and len(recent) == cfg.stop_patience and min(recent) >= cfg.stop_pass1
+            stop = reached_bar(history, cfg.stop_pass1, cfg.stop_patience)
         log.write(metrics)
         bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {'-' if pass1 is None else f'{pass1:.3f}'}")
         stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept in the checkpoint for resume
         if stop:
-            print0(f"\nstep {step}: held-out pass@1 {recent} >= --stop_pass1 {cfg.stop_pass1} in {len(recent)} "
-                   "consecutive evals: stopping")
+            print0(f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
+                   f"{cfg.stop_pass1} in {cfg.stop_patience} consecutive evals: stopping")
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
         if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
@@ -342,6 +351,11 @@ def main(argv=None):
     log.close()
     if d.is_main:
         publish_model(ckpt, out / "model")
+    if cfg.stop_pass1 > 0 and history and not reached_bar(history, cfg.stop_pass1, cfg.stop_patience):
+        # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong) to the next stage
+        print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in {cfg.stop_patience} "
+               f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
+               "this start learns little: run again with more --steps (it resumes) or another --seed")
     print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
     release_run_dir(out)
     cleanup_dist()

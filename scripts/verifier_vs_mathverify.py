@@ -32,7 +32,6 @@ import rewards  # noqa: E402
 INT = re.compile(r"-?\d+")
 FRAC = re.compile(r"(-?)\\frac\{(\d+)\}\{(\d+)\}")
 SQRT = re.compile(r"(\d*)\\sqrt\{(\d+)\}")
-PAIR = re.compile(r"\\left\((.*)\\right\)|\((.*)\)")
 SUM = re.compile(r"^([^+\-,()=]+)([+-])([^+\-,()=]+)$")  # exactly two terms, no sign, list, group or relation
 INEQ = re.compile(r"^([a-z])\s*(\\le|\\leq|\\ge|\\geq|<|>)\s*(.+)$")
 THOUSANDS = re.compile(r"(\\\$)?\d{1,3}(,(\\!)?\s*\d{3})+")

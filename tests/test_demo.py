@@ -3,11 +3,13 @@ each stage, run from a copy of the repo in a temp dir exactly as a user would; e
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +19,7 @@ def test_demo_in_miniature(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python` = this interpreter
-    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs",
+    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0",
            "SFT_FLAGS": "--steps 12 --eval_every 0 --global_batch 8 --micro_batch 8",
            "GRPO_FLAGS": "--steps 2 --prompts_per_step 2 --group_size 4 --eval_every 0",
            "EVAL_FLAGS": "--split test[:6]"}  # fmt: skip
@@ -48,3 +50,69 @@ def test_demo_in_miniature(tmp_path):
         return
     png = runs / "grpo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_stops_on_a_start_too_weak_for_grpo(tmp_path):
+    """An SFT start below MIN_START: one error line that says what to try, and GRPO never starts."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0.1",
+           "SFT_FLAGS": "--steps 3 --eval_every 0 --global_batch 8 --micro_batch 8", "EVAL_FLAGS": "--split test[:4]"}
+    r = subprocess.run(["bash", "demo.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "MIN_START=0.1" in errors[0] and "Try:" in errors[0], r.stderr[-2000:]
+    assert not (repo / "runs" / "grpo").exists() and "== 2/3 GRPO" not in r.stdout
+
+
+def test_demo_reference_figures_are_the_readmes():
+    """demo.sh compares its result with the README's table: its REF_* figures must be the README's summary row."""
+    script, readme = (ROOT / "demo.sh").read_text(), (ROOT / "README.md").read_text()
+    for name in ("REF_SFT", "REF_GRPO"):
+        mean, lo, hi = re.search(rf'^{name}="([\d.]+) ([\d.]+) ([\d.]+)"$', script, re.M).groups()
+        assert f"{mean} [{lo}, {hi}]" in readme, f"demo.sh's {name} is not in the README's demo table"
+
+
+# --- the calibration guard ---------------------------------------------------------------------------------------
+# The demo's SFT sits near a phase transition (memorise the 1,000 solutions, or learn the arithmetic): these defaults
+# were calibrated so that it lands in GRPO's band on every seed and floating-point path of the README's table.
+# Changing one moves where SFT lands: rerun `python -m pytest -m slow tests/test_demo.py` and the README's table.
+CALIBRATED_SFT = {"model": "demo", "model_overrides": "", "split": "train[:5%]", "global_batch": 32, "lr": 3e-3,
+                  "warmup": 50, "min_lr_ratio": 0.1, "weight_decay": 0.1, "steps": 4000, "eval_every": 50,
+                  "eval_split": "test[-200:]", "stop_pass1": 0.15, "stop_patience": 2}
+CALIBRATED_MODEL = {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "tie_word_embeddings": True}
+KERNELS = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                                   "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def test_demo_defaults_are_the_calibrated_ones():
+    import model
+    import sft
+
+    cfg = sft.SFTConfig()
+    hint = "the demo's calibration changed: run `python -m pytest -m slow tests/test_demo.py`, then update this test"
+    assert {k: getattr(cfg, k) for k in CALIBRATED_SFT} == CALIBRATED_SFT, hint
+    assert model.PRESETS["demo"] == CALIBRATED_MODEL, hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", sorted(KERNELS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sft_start_lands_in_grpo_band(tmp_path, seed, kernels):
+    """The demo's own SFT command (2 processes, one thread each) on two seeds x two CPU kernel paths: it must stop
+    on --stop_pass1 within its --steps budget, with a start eval.py rates at >= demo.sh's MIN_START on test[:400]."""
+    floor = float(re.search(r"^MIN_START=\$\{MIN_START:-([\d.]+)\}$", (ROOT / "demo.sh").read_text(), re.M)[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **KERNELS[kernels]}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = tmp_path / "sft"
+    r = subprocess.run([*torchrun, "sft.py", "--seed", str(seed), "--out_dir", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "consecutive evals: stopping" in r.stdout and "warning:" not in r.stdout, r.stdout[-2000:]
+    r = subprocess.run([*torchrun, "eval.py", "--model", str(out / "model"), "--out_dir", str(tmp_path / "eval")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    start = json.loads((tmp_path / "eval" / "summary.json").read_text())["greedy"]["pass@1"]
+    assert start >= floor, f"seed {seed}, {kernels} kernels: SFT start {start:.3f} < MIN_START {floor}"

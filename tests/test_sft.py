@@ -65,7 +65,8 @@ def test_loss_masks_prompt_tokens():
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_match_one(single_run, tmp_path, mode):
     out = tmp_path / mode
-    p = torchrun("sft.py", [*TINY, "--dist", mode, "--out_dir", str(out)])
+    ckpt = ["--activation_checkpointing"] if mode == "fsdp" else []  # recomputed blocks: the same steps
+    p = torchrun("sft.py", [*TINY, "--dist", mode, *ckpt, "--out_dir", str(out)])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "global batch 8 = 4 micro x 1 accum x 2 rank(s)" in p.stdout
     ref, got = metrics(single_run), metrics(out)
@@ -103,6 +104,20 @@ def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path):
     assert (out / "latest").read_text().strip() == "step_000001" and (out / "model" / "config.json").is_file()
     sft.main([*TINY, "--max_minutes", "1e-9", "--out_dir", str(out)])  # run again: it stays stopped
     assert len(metrics(out)) == 1
+
+
+def test_stop_bar_needs_consecutive_evals():
+    assert sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
+    assert not sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough
+    assert not sft.reached_bar([0.3], 0.15, 2) and not sft.reached_bar([0.3, 0.3], 0.0, 2)  # too few; off
+
+
+def test_stop_bar_never_reached_says_so_in_one_line(tmp_path, capsys):
+    sft.main([*TINY, "--stop_pass1", "0.99", "--out_dir", str(tmp_path / "weak")])  # 6 steps: pass@1 stays ~0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert len(lines) == 1 and "never reached --stop_pass1 0.99" in lines[0] and "--steps" in lines[0]
+    assert len(metrics(tmp_path / "weak")) == 6  # it ran its --steps budget, and the model is still published
+    assert (tmp_path / "weak" / "model" / "config.json").is_file()
 
 
 def test_bad_inputs(tmp_path, capsys):

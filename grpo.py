@@ -5,7 +5,7 @@ One step, top to bottom (follow a batch through `main`):
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)
   4. group advantages A_i = r_i - mean(r) (optionally / (std(r) + eps))
-  5. micro-batched forward/backward of the clipped policy loss (+ beta * k3 KL to a frozen reference)
+  5. micro-batched forward/backward of the --loss policy term (+ beta * k3 KL to a frozen reference)
   6. grad clip, AdamW step, metrics (all-reduced over ranks), eval / checkpoint every N steps
 
 Launch:
@@ -85,14 +85,17 @@ class GRPOConfig:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (<1 makes sampler/trainer log-probs differ)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
     gen_batch: int = field(default=8, metadata={"help": "prompts per sampler call (x G rows)"})
-    loss: str = field(default="dapo", metadata={"help": "grpo: per-seq mean | dapo: token mean | dr_grpo",
-                                                "choices": ["grpo", "dapo", "dr_grpo"]})
+    loss: str = field(default="dapo", metadata={"help": "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
+                                                        "denominator | gspo: sequence ratio | cispo: clipped IS weight",
+                                                "choices": ["grpo", "dapo", "dr_grpo", "gspo", "cispo"]})
     scale_rewards: str = field(default="none", metadata={"help": "advantage scaling: group (divide by std) | none",
                                                                    "choices": ["group", "none"]})
     epsilon: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon"})
     epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high (clip-higher)"})
     beta: float = field(default=0.0, metadata={"help": "k3 KL weight to the frozen init model (0: no reference model)"})
     mu: int = field(default=1, metadata={"help": "policy updates per rollout batch"})
+    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling: weight the policy term by "
+                                                          "min(exp(trainer - sampler logp), C) (0 = off)"})
     filter_zero_std: bool = field(default=True, metadata={"help": "drop groups with all-equal rewards from the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "drop truncated completions from the loss"})
     reward_weights: str = field(default="", metadata={"help": "reward weights, e.g. 'correct=1,format=0.1'"})
@@ -144,46 +147,72 @@ RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_s
 
 
 def group_advantages(r: torch.Tensor, scale: str, eps: float = 1e-4) -> torch.Tensor:
-    """r: (P, G) rewards -> (P, G) advantages r - mean(r), divided by (sample std + eps) when scale == 'group'."""
+    """r: (P, G) rewards -> (P, G) advantages r - mean(r), divided by (sample std + eps) when scale == 'group'.
+    A group whose rewards are all equal gets exactly 0: the fp32 mean of G equal values can miss them in the last
+    bit (G=12 rewards of 1.1: 1.2e-7), which / eps would turn into a real advantage."""
     adv = r - r.mean(dim=1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + eps)  # unbiased std, like torch.std / TRL
-    return adv
+    equal = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (P, 1)
+    return adv.masked_fill(equal, 0.0)
 
 
-def token_weights(mask: torch.Tensor, loss: str, n_seqs: float, n_tokens: float, max_len: int) -> torch.Tensor:
+def token_weights(mask: torch.Tensor, loss: str, n_seqs: float, n_tokens: float, n_rows: float,
+                  max_len: int) -> torch.Tensor:
     """Per-token weight w so that the batch loss is sum(w * l).
 
     mask: (N, T) float, 1 on completion tokens that count. n_seqs / n_tokens are the *global* counts of counted
-    completions / tokens (all ranks), so N ranks together compute the loss of one process on the whole batch.
+    completions / tokens (all ranks), so N ranks together compute the loss of one process on the whole batch;
+    n_rows counts every completion of the step's batch, filtered or not (dr_grpo's constant denominator).
     """
-    if loss == "grpo":  # mean over each completion's tokens, then mean over completions
+    if loss in ("grpo", "gspo"):  # mean over each completion's tokens, then mean over completions
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / max(n_seqs, 1)
-    if loss == "dapo":  # token-level mean over the batch
+    if loss in ("dapo", "cispo"):  # token-level mean over the batch
         return mask / max(n_tokens, 1)
-    if loss == "dr_grpo":  # a constant normaliser: no length bias
-        return mask / (max(n_seqs, 1) * max_len)
-    raise ValueError(f"--loss {loss!r}: expected grpo, dapo or dr_grpo")
+    if loss == "dr_grpo":  # a constant normaliser: no length bias, no dependence on how many rows were filtered
+        return mask / (max(n_rows, 1) * max_len)
+    raise ValueError(f"--loss {loss!r}: expected grpo, dapo, dr_grpo, gspo or cispo")
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, eps_low: float, eps_high: float, beta: float):
-    """Per-token clipped surrogate (+ k3 KL). logp/old_logp/ref_logp: (N, T); adv: (N, 1). Returns l (N, T), stats.
+def policy_loss(logp, old_logp, adv, mask, loss: str, eps_low: float, eps_high: float, tis=None):
+    """Per-token policy term of --loss, l (N, T), and clip stats (N, T). logp/old_logp/mask: (N, T); adv: (N, 1);
+    tis: (N, T) truncated importance weights or None. With lo, hi = 1 - eps_low, 1 + eps_high:
 
-    l_t = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * kl_t,  rho = exp(logp - old_logp)
-    kl_t = exp(ref - logp) - (ref - logp) - 1  (k3: unbiased, always >= 0)
+      grpo/dapo/dr_grpo  l_t = -min(rho_t A, clip(rho_t, lo, hi) A),  rho_t = exp(logp_t - old_t)
+      gspo               the same with one ratio per sequence, s = exp(mean over its tokens of (logp - old))
+      cispo              l_t = -sg(clip(rho_t, lo, hi)) A logp_t  (every token keeps its gradient)
+    and l_t *= tis_t when given. The ratio is read only where mask is 1 (elsewhere 1), so garbage there is inert.
     """
-    rho = torch.exp(logp - old_logp)
-    l = -torch.minimum(rho * adv, rho.clamp(1 - eps_low, 1 + eps_high) * adv)
-    stats = {
-        "clip_low": ((rho < 1 - eps_low) & (adv < 0)).float(),  # tokens where the lower clip removed the gradient
-        "clip_high": ((rho > 1 + eps_high) & (adv > 0)).float(),
-    }
-    if beta > 0:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1
-        l = l + beta * kl
-        stats["kl"] = kl.detach()
+    log_ratio = torch.where(mask > 0, logp - old_logp, 0.0)  # (N, T)
+    if loss == "gspo":  # length-normalised sequence log-ratio, broadcast to its tokens
+        log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (N, 1)
+    rho = torch.exp(log_ratio)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    if loss == "cispo":  # clipping caps the weight: it never removes a token's gradient
+        l = -rho.detach().clamp(lo, hi) * adv * logp
+        low, high = rho < lo, rho > hi
+    else:
+        l = -torch.minimum(rho * adv, rho.clamp(lo, hi) * adv)
+        low, high = (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)  # where the clip removed the gradient
+    if tis is not None:
+        l = l * tis
+    stats = {"clip_low": low.float().expand_as(logp), "clip_high": high.float().expand_as(logp)}
     return l, stats
+
+
+def tis_weights(old_logp, sampler_logp, cap: float):
+    """Truncated importance sampling (N, T): min(exp(old - sampler), cap), a constant. It corrects for the trainer
+    (old_logp) and sampler disagreeing on the sampled tokens (bf16 sampling, top-p / top-k, an inference engine).
+    exp(min(x, log cap)) is the same number and cannot overflow."""
+    return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap))).detach()
+
+
+def k3_kl(logp, ref_logp, max_log_ratio: float = 20.0):
+    """Per-token k3 KL to the reference, (N, T): exp(d) - d - 1 with d = ref - logp (unbiased, always >= 0).
+    d is clamped to +-max_log_ratio (as verl does), so a padding or garbage position cannot overflow exp() to inf,
+    which times its weight 0 would be NaN, gradients included."""
+    d = (ref_logp - logp).clamp(-max_log_ratio, max_log_ratio)
+    return torch.exp(d) - d - 1
 
 
 def loss_mask(r: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, filter_zero_std: bool,
@@ -219,15 +248,19 @@ class Rollout:
 def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOConfig, eos_ids, pad_id: int,
             device) -> Rollout:
     """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call. prompts[0] is the
-    step's global prompt number `first`; each call's generator is seeded from (seed, step, global number of its
-    first prompt), so any world size draws the same samples."""
+    step's global prompt number `first`. Each prompt's G rows draw their sampling noise from their own generator,
+    seeded from (seed, step, global prompt number), so any world size and any --gen_batch split draws the same
+    samples."""
     model.eval()
     parts = []
     for c in range(0, len(prompts), cfg.gen_batch):
+        chunk = prompts[c : c + cfg.gen_batch]
+        # (len(chunk) * G, max_new_tokens) uniforms, row = prompt * G + sample: prompt j's from its own generator
+        gens = [make_generator(cfg.seed, step, first + c + j, device=device) for j in range(len(chunk))]
+        noise = torch.cat([torch.rand(cfg.group_size, cfg.max_new_tokens, generator=g, device=device) for g in gens])
         gen = generate(
-            model, prompts[c : c + cfg.gen_batch], cfg.max_new_tokens, num_samples=cfg.group_size,
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id,
-            generator=make_generator(cfg.seed, step, first + c, device=device),
+            model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size, temperature=cfg.temperature,
+            top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id, noise=noise,
         )  # fmt: skip
         parts.append(gen)
     Tc = max(g.tokens.shape[1] for g in parts)  # calls stop at different lengths: pad to the longest
@@ -280,23 +313,26 @@ def completion_logprobs(model, inputs, targets, pos, temperature):
     return logp.gather(1, pos), ent.gather(1, pos)
 
 
-# what update() sums over the counted tokens of its first pass (step_metrics divides by ntok)
-UPDATE_STATS = ("ntok", "entropy", "logprob_gap", "clip_low", "clip_high", "kl")
+# what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy, logprob_gap), over
+# the KL's tokens of the first pass (ntok_kl, kl), and over the counted tokens of every pass, / mu (clip_*)
+UPDATE_STATS = ("ntok", "entropy", "logprob_gap", "ntok_kl", "kl", "clip_low", "clip_high")
 
 
-def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, sampler_logp, cfg: GRPOConfig, dist: Dist,
-           step: int) -> dict:
-    """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss), grad clip,
-    optimizer step. batch: training_batch's (inputs, targets, pos); seq_len: each row's real length in it (host);
-    adv (N, 1), lmask / w / sampler_logp (N, Tc), all on the model's device.
+def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, sampler_logp, cfg: GRPOConfig,
+           dist: Dist, step: int) -> dict:
+    """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss) (+ beta *
+    sum(w_kl * k3_kl)), grad clip, optimizer step. batch: training_batch's (inputs, targets, pos); seq_len: each
+    row's real length in it (host); adv (N, 1), lmask / w / sampler_logp (N, Tc), w_kl (N, Tc) or None (beta = 0),
+    all on the model's device.
 
-    Rows whose every weight is 0, or whose advantage is 0 without KL, add no gradient: they are skipped, but every
-    rank runs the same number of micro-batches (collectives must match), a rank without rows one zero-weight row.
-    Returns sums over the counted tokens of the first pass (ntok, entropy, logprob_gap, clip_low, clip_high, kl;
-    this rank's) and the last pass's grad_norm."""
+    Rows that add no gradient (no KL weight, and no policy weight or advantage 0) are skipped, but every rank runs
+    the same number of micro-batches (collectives must match), a rank without rows one zero-weight row.
+    Returns UPDATE_STATS's sums and the last pass's grad_norm."""
     model.train()
     device, mb = lmask.device, cfg.train_micro_batch
-    useful = (w.sum(1) > 0) & ((adv[:, 0] != 0) | (cfg.beta > 0))  # (N,)
+    useful = (w.sum(1) > 0) & (adv[:, 0] != 0)  # (N,)
+    if w_kl is not None:
+        useful |= w_kl.sum(1) > 0
     rows = useful.nonzero()[:, 0].tolist()
     n_micro = int(max(all_reduce_named({"n": math.ceil(len(rows) / mb)}, {"n": "max"})["n"], 1))
     micro = [rows[k * mb : (k + 1) * mb] for k in range(n_micro)]
@@ -310,22 +346,29 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, sampler_lo
             for k in range(n_micro):
                 old[k] = completion_logprobs(model, *sliced[k], cfg.temperature)[0] if cfg.mu > 1 else None
                 ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature)[0] if ref is not None else None
-    stats = []  # per counted micro-batch: (ntok, entropy, gap, clip_low, clip_high, kl) sums, on the device
+    stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for update in range(cfg.mu):
         for k, idx in enumerate(micro):
             with _no_sync(model, k == n_micro - 1):
                 logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
-                l, st = policy_loss(logp, old_logp, ref_logp[k], adv[ix[k]], cfg.epsilon, cfg.epsilon_high, cfg.beta)
-                wk = w[ix[k]] if idx else torch.zeros_like(w[ix[k]])
-                (l * wk).sum().backward()
-            if update == 0 and idx:  # diagnostics on the first pass over the counted tokens
                 m = lmask[ix[k]]
+                tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap) if cfg.tis_cap else None
+                l, st = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss, cfg.epsilon, cfg.epsilon_high, tis)
+                live = 1.0 if idx else 0.0  # the padding micro-batch of a rank without rows adds nothing
+                loss = (l * w[ix[k]]).sum() * live
+                kl = k3_kl(logp, ref_logp[k]) if ref is not None else None
+                if kl is not None:
+                    loss = loss + cfg.beta * (kl * w_kl[ix[k]]).sum() * live
+                loss.backward()
+            if idx:  # diagnostics: the first pass's, and the clip fractions of every pass (the ratio moves after)
+                first = float(update == 0)
                 gap = (logp.detach() - sampler_logp[ix[k]]).abs()
-                zero = m.new_zeros(())
-                stats.append(torch.stack([m.sum(), (ent * m).sum(), (gap * m).sum()]
-                                         + [(st[key] * m).sum() if key in st else zero
-                                            for key in ("clip_low", "clip_high", "kl")]))  # fmt: skip
+                m_kl = (w_kl[ix[k]] > 0).float() if kl is not None else torch.zeros_like(m)
+                kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
+                sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
+                stats.append(torch.stack([x * first for x in sums]
+                                         + [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
         opt.step()
@@ -358,7 +401,8 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
         "step": step, "reward": mean_r, "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_r**2, 0.0)),
         **{c: g["comp_" + c] / n for c in comps},
         "frac_zero_std": g["zero_std"] / g["groups"], "clip_low": g["clip_low"] / nt, "clip_high": g["clip_high"] / nt,
-        "kl": g["kl"] / nt, "entropy": g["entropy"] / nt, "len_mean": g["len"] / n, "len_max": g["len_max"],
+        "kl": g["kl"] / max(g["ntok_kl"], 1), "entropy": g["entropy"] / nt, "len_mean": g["len"] / n,
+        "len_max": g["len_max"],
         "truncated": g["truncated"] / n, "logprob_gap": g["logprob_gap"] / nt, "t_generate": g["t_generate"],
         "t_score": times["score"], "t_train": times["train"], "tokens_per_s": g["len"] / times["step"],
         "mem_peak_mb": g["mem_peak_mb"], "lr": lr, "grad_norm": stats["grad_norm"], "elapsed_s": elapsed,
@@ -384,6 +428,8 @@ def main(argv=None):
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
                          "G >= 2 (or --scale_rewards none)")
+    if not 0 <= cfg.tis_cap < math.inf:
+        raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
     with user_input("--reward_weights"):
@@ -448,13 +494,19 @@ def main(argv=None):
         r, scores, texts = score(tok, roll, [prefix[i] for i in mine], [rows[i]["answer"] for i in mine], cfg,
                                  weights)  # fmt: skip
 
-        # 4. group advantages and which tokens count; the loss denominators are global counts
+        # 4. group advantages and which tokens count; the loss denominators are global counts. The policy term
+        # counts the kept completions (lmask); the KL term, when beta > 0, every completion (kl_mask)
         adv = group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
         lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std, cfg.mask_truncated)
-        n_seqs, n_tokens = torch.stack([keep.sum().float(), lmask.sum()]).tolist()
-        counts = all_reduce_named({"n_seqs": n_seqs, "n_tokens": n_tokens})
-        w = token_weights(lmask, cfg.loss, counts["n_seqs"], counts["n_tokens"], cfg.max_new_tokens)
-        w = w * W  # DDP / FSDP average gradients over ranks: x W makes it the global sum
+        kl_mask = roll.mask.float()
+        n_seqs, n_tokens, n_kl = torch.stack([keep.sum().float(), lmask.sum(), kl_mask.sum()]).tolist()
+        c = all_reduce_named({"n_seqs": n_seqs, "n_tokens": n_tokens, "n_kl": n_kl})
+        n_rows = P * G  # every completion of the step's batch, filtered or not
+        # DDP / FSDP average gradients over ranks: x W makes it the global sum
+        w = token_weights(lmask, cfg.loss, c["n_seqs"], c["n_tokens"], n_rows, cfg.max_new_tokens) * W
+        w_kl = None
+        if cfg.beta > 0:
+            w_kl = token_weights(kl_mask, cfg.loss, n_rows, c["n_kl"], n_rows, cfg.max_new_tokens) * W
         t2 = time.perf_counter()
 
         # 5. policy update(s)
@@ -462,7 +514,7 @@ def main(argv=None):
         lengths = roll.lengths.tolist()
         batch = training_batch(row_prompts, roll.tokens, lengths, pad_id)
         seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
-        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, roll.logprobs, cfg, d, step)
+        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, d, step)
         t3 = time.perf_counter()
         t_train += t3 - t0
 

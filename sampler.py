@@ -28,10 +28,11 @@ class Generation:
     truncated: torch.Tensor  # (N,) bool, the row hit max_new_tokens without an EOS
 
 
-def sample(logits, temperature, top_k, top_p, generator):
+def sample(logits, temperature, top_k, top_p, generator, u=None):
     """logits (N, V) fp32 -> token (N,), its log-prob (N,) under the distribution it was drawn from:
     softmax(logits / temperature) restricted to the top-k / top-p set. temperature 0 is greedy, and then the
-    log-prob is the model's own (temperature 1)."""
+    log-prob is the model's own (temperature 1). u: (N, 1) uniforms in [0, 1) to draw with (default: from
+    generator)."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, logits.log_softmax(-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
@@ -50,7 +51,7 @@ def sample(logits, temperature, top_k, top_p, generator):
     # found, the first whose cumulative mass exceeds u, always has probability > 0
     cdf = logp.exp().cumsum(-1)  # (N, V)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=total.device) * total
+    u = (torch.rand(total.shape, generator=generator, device=total.device) if u is None else u) * total
     tok = torch.searchsorted(cdf, torch.minimum(u, total.nextafter(torch.zeros_like(total))), right=True)  # (N, 1)
     return tok.squeeze(-1), logp.gather(-1, tok).squeeze(-1)
 
@@ -74,9 +75,12 @@ def gathered(model):
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
-             top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, compile=False) -> Generation:
+             top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, noise=None,
+             compile=False) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
-    from `generator` (on the model's device). Works on a plain, DDP-wrapped or FSDP2-sharded model.
+    from `generator` (on the model's device), or from `noise`: (N, max_new_tokens) uniforms in [0, 1) on the
+    model's device, row i's draw at step t being noise[i, t], so a row's samples do not depend on which other
+    rows share its batch. Works on a plain, DDP-wrapped or FSDP2-sharded model.
     compile=True runs the decode step through torch.compile (dynamic shapes, one graph for every step): the
     first call compiles for tens of seconds; it pays off for long or repeated generations."""
     if isinstance(model, DistributedDataParallel):
@@ -93,12 +97,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     device = model.embed_tokens.weight.device
     if generator is not None and generator.device.type != device.type:
         raise ValueError(f"generator on {generator.device}, model on {device}: use torch.Generator({device.type!r})")
+    if noise is not None and tuple(noise.shape) != (len(prompts) * num_samples, max_new_tokens):
+        raise ValueError(f"noise of shape {tuple(noise.shape)}: expected (prompts * num_samples, max_new_tokens)")
     with gathered(model):
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
-                         generator, compile)
+                         generator, noise, compile)
 
 
-def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, compile):
+def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, noise,
+              compile):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
     device, dtype = weight.device, weight.dtype
     P, L = len(prompts), max(map(len, prompts))
@@ -127,7 +134,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     logprobs = torch.zeros(N, max_new_tokens, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        tok, out_logp = sample(logits, temperature, top_k, top_p, generator)  # (N,), (N,)
+        u = noise[:, t : t + 1] if noise is not None else None
+        tok, out_logp = sample(logits, temperature, top_k, top_p, generator, u)  # (N,), (N,)
         out[:, t], logprobs[:, t] = tok, out_logp
         done |= torch.isin(tok, eos)
         if t == max_new_tokens - 1 or done.all():  # the step's one host sync

@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,11 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-# a random model never answers correctly; the overlong penalty gives groups reward variance, so there is a gradient
-FLAGS = ["--steps", "3", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "2", "--max_new_tokens", "16",
+# a random model never answers correctly; the overlong penalty gives groups reward variance, so there is a gradient.
+# --gen_batch 4: one process samples its 4 prompts in one call, each of 2 ranks its 2 (per-call seeding differed)
+FLAGS = ["--steps", "3", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "4", "--max_new_tokens", "16",
          "--reward_weights", "overlong=1", "--eval_every", "0", "--lr", "1e-3", "--warmup", "1",
          "--train_micro_batch", "3"]  # fmt: skip
-KEYS = ["reward", "reward_std", "overlong", "frac_zero_std", "len_mean", "len_max", "truncated", "entropy", "grad_norm"]
+KEYS = ["reward", "reward_std", "overlong", "frac_zero_std", "len_mean", "len_max", "truncated", "entropy", "grad_norm",
+        "kl", "clip_low", "clip_high"]
 
 
 def _run(cmd, out_dir):
@@ -33,7 +36,10 @@ def _run(cmd, out_dir):
 
 @pytest.mark.parametrize("loss", ["dapo", "grpo"])
 def test_two_ranks_equal_one_process(tiny_dir, tmp_path, loss):
-    flags = ["--init", str(tiny_dir), "--loss", loss] + FLAGS
+    # grpo's runs add the KL (all-reduced denominators over every completion) and a second, off-policy pass
+    # (clip fractions measured on it, summed over ranks)
+    extra = ["--beta", "0.04", "--mu", "2", "--epsilon", "0.01", "--epsilon_high", "0.01"] if loss == "grpo" else []
+    flags = ["--init", str(tiny_dir), "--loss", loss] + FLAGS + extra
     one = _run([sys.executable, "grpo.py"] + flags, tmp_path / "one")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "grpo.py"]
     modes = ["ddp", "fsdp"] if loss == "dapo" else ["ddp"]
@@ -45,6 +51,8 @@ def test_two_ranks_equal_one_process(tiny_dir, tmp_path, loss):
             for k in KEYS:
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (mode, a["step"], k, a[k], b[k])
     assert one[0]["grad_norm"] > 0  # the comparison covers real updates, not a zero gradient
+    if extra:
+        assert one[-1]["kl"] > 0 and one[0]["clip_low"] + one[0]["clip_high"] > 0
     assert one[0]["logprob_gap"] < 1e-4  # sampler and trainer agree on the sampled tokens' log-probs (fp32)
     assert (tmp_path / "one" / "latest").is_file()
 
@@ -98,6 +106,7 @@ def test_bad_flags_give_one_clear_line(tiny_dir, tmp_path):
     cases = [
         (["--group_size", "1", "--scale_rewards", "group"], "group_size 1"),
         (["--loss", "ppo"], "--loss"),
+        (["--tis_cap", "-1"], "--tis_cap"),
     ]
     for extra, msg in cases:
         r = subprocess.run([sys.executable, "grpo.py", "--init", str(tiny_dir), "--out_dir", str(tmp_path / "x")]
@@ -136,3 +145,107 @@ def test_training_batch_positions():
         for t in range([2, 3][i]):
             assert targets[i, pos[i, t]].item() == comp[i, t].item()
             assert inputs[i, pos[i, t]].item() == (p + comp[i].tolist())[len(p) - 1 + t]
+
+
+def test_dr_grpo_filtering_zero_std_groups_changes_nothing(tiny_dir, tmp_path):
+    """Zero-std groups have A = 0 exactly, dr_grpo's denominator is a constant and the KL applies to every
+    completion: so --filter_zero_std true and false are the same run (step 2 has KL gradient: policy != ref)."""
+    flags = ["--init", str(tiny_dir), *FLAGS, "--loss", "dr_grpo", "--beta", "0.1", "--lr", "1e-2", "--steps", "2"]
+    runs = {}
+    for f in ("true", "false"):
+        grpo.main(flags + ["--filter_zero_std", f, "--out_dir", str(tmp_path / f)])
+        runs[f] = [json.loads(line) for line in (tmp_path / f / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < runs["true"][0]["frac_zero_std"] < 1  # some groups filtered, some not
+    assert runs["true"][1]["kl"] > 0
+    for a, b in zip(runs["true"], runs["false"]):
+        for k in ("grad_norm", "kl", "reward", "len_mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), (a["step"], k)
+
+
+def _tiny_rollout(tiny_dir, **kw):
+    from model import load_model, load_tokenizer
+
+    model, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, **kw)
+    prompts = [tok.encode("12+7="), tok.encode("3*40-5=")]  # different lengths: different left-padding
+    return model, tok, cfg, prompts
+
+
+def test_rollout_draws_the_same_samples_for_any_split(tiny_dir):
+    """2 prompts in one sampler call (1 process) = 1 prompt per rank on 2 ranks (first = 0 and 1) = --gen_batch 1.
+    Seeded per chunk, this split drew 0 of 8 equal rows."""
+    model, tok, cfg, prompts = _tiny_rollout(tiny_dir, gen_batch=8)
+    eos, pad = [tok.eos_token_id], tok.pad_token_id or 0
+
+    def rows(roll):
+        return [(t[:n], lp[:n]) for t, lp, n in zip(roll.tokens.tolist(), roll.logprobs.tolist(), roll.lengths)]
+
+    together = rows(grpo.rollout(model, prompts, 0, 3, cfg, eos, pad, "cpu"))
+    per_rank = rows(grpo.rollout(model, prompts[:1], 0, 3, cfg, eos, pad, "cpu"))
+    per_rank += rows(grpo.rollout(model, prompts[1:], 1, 3, cfg, eos, pad, "cpu"))
+    cfg.gen_batch = 1
+    one_by_one = rows(grpo.rollout(model, prompts, 0, 3, cfg, eos, pad, "cpu"))
+    assert len(together) == 8
+    for a, b, c in zip(together, per_rank, one_by_one):
+        assert a[0] == b[0] == c[0]
+        assert a[1] == pytest.approx(b[1], abs=1e-5) and a[1] == pytest.approx(c[1], abs=1e-5)
+    assert len({tuple(t) for t, _ in together}) > 2  # real sampling, not a constant
+
+
+def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
+    """--mu 2: pass 1's ratio is exactly 1 (no clipping); pass 2 sees the weights after one AdamW step. Its clipped
+    tokens are recomputed here from the model after the same single step (an independent --mu 1 update), with the
+    clip rule written out; the reported sums are over both passes / mu."""
+    import copy
+
+    from common import Dist
+
+    model, tok, cfg, prompts = _tiny_rollout(tiny_dir, mu=2, lr=3e-2, epsilon=0.05, epsilon_high=0.05,
+                                             train_micro_batch=64)  # fmt: skip
+    torch.manual_seed(0)
+    roll = grpo.rollout(model, prompts, 0, 1, cfg, [tok.eos_token_id], 0, "cpu")
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 2.0, -2.0])[:, None]
+    lmask = roll.mask.float()
+    w = lmask / lmask.sum()
+    lengths = roll.lengths.tolist()
+    rp = [p for p in prompts for _ in range(4)]
+    batch = grpo.training_batch(rp, roll.tokens, lengths, 0)
+    seq_len = [len(p) - 1 + n for p, n in zip(rp, lengths)]
+
+    def run(m, mu):
+        c = copy.copy(cfg)
+        c.mu = mu
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=0.0)
+        return grpo.update(m, None, opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, c, Dist(), 1)
+
+    before, after_one = copy.deepcopy(model), copy.deepcopy(model)
+    run(after_one, 1)
+    stats = run(model, 2)
+    inputs, targets, pos = batch
+    with torch.no_grad():
+        old = grpo.completion_logprobs(before, inputs, targets.clamp(min=0), pos, 1.0)[0]
+        new = grpo.completion_logprobs(after_one, inputs, targets.clamp(min=0), pos, 1.0)[0]
+    rho = torch.exp(new - old)
+    low = ((rho < 1 - cfg.epsilon) & (adv < 0) & (lmask > 0)).sum().item()
+    high = ((rho > 1 + cfg.epsilon_high) & (adv > 0) & (lmask > 0)).sum().item()
+    assert low > 0 and high > 0
+    assert stats["clip_low"] == pytest.approx(low / 2) and stats["clip_high"] == pytest.approx(high / 2)
+    assert stats["ntok"] == lmask.sum().item()  # the first pass's count (not mu x)
+
+
+@pytest.mark.parametrize("extra", [["--loss", "gspo", "--epsilon", "3e-4", "--epsilon_high", "4e-4"],
+                                   ["--loss", "cispo", "--tis_cap", "2", "--top_k", "20"]])  # fmt: skip
+def test_gspo_and_cispo_with_tis_run_off_policy(tiny_dir, tmp_path, extra):
+    """--mu 2: the second pass is off-policy, so GSPO's per-sequence clip (the paper's 3e-4 / 4e-4) bites; top-k
+    sampling makes the sampler's log-probs differ from the trainer's, which is what TIS weights (and logprob_gap
+    logs)."""
+    grpo.main(["--init", str(tiny_dir), *FLAGS, "--steps", "2", "--mu", "2", "--lr", "1e-2", *extra,
+               "--out_dir", str(tmp_path)])  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["grad_norm"]) and math.isfinite(r["clip_low"]) for r in rows)
+    informative = [r for r in rows if r["frac_zero_std"] < 1]
+    assert informative  # a step with a gradient
+    if "gspo" in extra:
+        assert all(r["clip_low"] + r["clip_high"] > 0 for r in informative)
+    else:
+        assert all(r["logprob_gap"] > 1e-3 for r in informative)

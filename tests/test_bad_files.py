@@ -156,7 +156,7 @@ def test_flag_table(tiny_dir, tmp_path):
         (sft.main, ["--model_overrides", "num_hidden_layers=20000"],
          "error: --model_overrides: num_hidden_layers=20000 is over minigrpo's sanity limit 1024"),
         (sft.main, ["--model_overrides", "hiden_size=64"], "error: --model_overrides: unknown config fields"),
-        (sft.main, ["--micro_batch", "0"], "error: --micro_batch 0: need at least 1"),
+        (sft.main, ["--global_batch", "0"], "error: --global_batch 0: need at least 1"),
         (evaluation.main, ["--model", str(tiny_dir), "--template", "chat"], "error: --template: template 'chat'"),
         (evaluation.main, ["--model", str(tiny_dir), "--pass_k", "0,8"], "error: --pass_k (0, 8): need at least 1"),
         (evaluation.main, ["--model", str(tmp_path / "nope")], f"error: --model {tmp_path}/nope: not a model dir"),

@@ -37,7 +37,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
-from checkpoint import check_finite, export_lora, release_run_dir, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    check_out_dir,
+    export_lora,
+    release_run_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     Dist,
     JsonlLogger,
@@ -476,6 +484,7 @@ def main(argv=None):
     if not 0 <= cfg.tis_cap < math.inf:
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
+    check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
     if min(cfg.train_micro_batch, cfg.micro_batch_tokens) < 0:
         bad = "--train_micro_batch" if cfg.train_micro_batch < 0 else "--micro_batch_tokens"
         raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")

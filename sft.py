@@ -61,6 +61,7 @@ import torch
 import model as model_lib
 from checkpoint import (
     check_finite,
+    check_out_dir,
     export_lora,
     publish_model,
     release_run_dir,
@@ -229,6 +230,7 @@ def main(argv=None):
                 at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay",
                             "progress_every"),
                 positive=("lr", "dist_timeout"))
+    check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W

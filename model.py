@@ -17,6 +17,7 @@ import json
 import math
 import os
 import string
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 # and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
 LOGITS_CHUNK = 2**24
 MIN_CHUNK_TOKENS = 64
+RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, measured on CPU
 
 
 @dataclass(kw_only=True)
@@ -213,6 +215,99 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
+# LoRA (Hu et al. 2021): a frozen projection W plus a trainable low-rank update, y = W x + (alpha / r) B A x.
+# Parameter names are PEFT's (q_proj.lora_A.weight, ...) and the base keeps its HF name (q_proj.weight), so the base
+# weights still load strictly by name and the adapter file is PEFT's after a prefix.
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear's weight and bias, plus lora_A (r, in) and lora_B (out, r) in fp32. B starts at zero, so a
+    fresh adapter leaves the model unchanged; A starts as PEFT's does (U(-1/sqrt(in), 1/sqrt(in))), from `generator`."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias  # the same tensors, under the same names
+        device, n_in = base.weight.device, base.in_features
+        self.lora_A = nn.Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            a = (torch.rand(rank, n_in, generator=generator) * 2 - 1) / math.sqrt(n_in)  # on the CPU: any device
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.zero_()
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True  # False: the base projection alone (the KL reference, see adapters_off)
+
+    def forward(self, x):  # x (B, T, in) -> (B, T, out)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
+        a = self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype))  # (B, T, r)
+        return y + (self.lora_B(a) * self.scale).to(y.dtype)
+
+    def delta(self) -> torch.Tensor:
+        """(out, in) fp32: what merging adds to the weight, scale * B @ A (full tensors, also under FSDP2)."""
+        return self.scale * _full(self.lora_B.weight) @ _full(self.lora_A.weight)
+
+
+def add_lora(model: "Transformer", rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS, *,
+             seed: int = 0, base_dtype: torch.dtype | None = None, base: str | None = None) -> "Transformer":
+    """Freeze every weight of the model (cast to base_dtype if given) and wrap the `targets` projections of each
+    block in LoRALinear, in place; A is drawn from `seed`, so every rank builds the same adapter. `base` names the
+    base model in the exported adapter_config.json. Returns the model, with model.lora its settings (PEFT's names)."""
+    bad = sorted(set(targets) - set(LORA_TARGETS))
+    if rank < 1 or not alpha > 0 or not 0 <= dropout < 1 or bad or not targets:
+        raise ValueError(f"bad LoRA settings: rank={rank} (want >= 1), alpha={alpha} (> 0), dropout={dropout} "
+                         f"(in [0, 1)), targets {list(targets)} (a non-empty subset of {list(LORA_TARGETS)})")
+    if base_dtype is not None:
+        model.to(base_dtype)
+    model.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    for block in model.layers:
+        block.draws_random = dropout > 0
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if name in targets:
+                    setattr(parent, name, LoRALinear(child, rank, alpha, dropout, g))
+    model.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+                  "target_modules": [t for t in LORA_TARGETS if t in targets], "base_model_name_or_path": base}
+    return model
+
+
+def lora_layers(model) -> dict[str, LoRALinear]:
+    """Name (as in the state dict, DDP's "module." stripped) -> LoRALinear; empty for a model without LoRA."""
+    return {k.removeprefix("module."): m for k, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model: "Transformer") -> "Transformer":
+    """Fold each adapter into its weight, W + scale * B @ A in W's dtype, and drop the adapters: a plain model again
+    (in place; not under FSDP2). Returns the model."""
+    for name, m in lora_layers(model).items():
+        parent, child = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        plain = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
+        with torch.no_grad():
+            plain.weight = nn.Parameter((m.weight.float() + m.delta()).to(m.weight.dtype), requires_grad=False)
+        plain.bias = m.bias
+        setattr(parent, child, plain)
+    model.lora = None
+    return model
+
+
+@contextmanager
+def adapters_off(model):
+    """The base model: every LoRA update switched off for the duration (the GRPO reference, no second copy)."""
+    layers = lora_layers(model).values()
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -221,13 +316,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.checkpointed = False  # set_activation_checkpointing: recompute this block in backward
+        self.draws_random = False  # LoRA dropout: the recompute must replay the same masks
 
     def forward(self, x, cos, sin, mask, cache, layer):
         if self.checkpointed and torch.is_grad_enabled():
-            # keep only the block's input for backward and run the block again there (no dropout: no RNG to
-            # replay). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's wrapper does
+            # keep only the block's input for backward and run the block again there (RNG states are replayed only
+            # for LoRA dropout). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's does
             return checkpoint(self._forward, x, cos, sin, mask, cache, layer, use_reentrant=False,
-                              preserve_rng_state=False)
+                              preserve_rng_state=self.draws_random)
         return self._forward(x, cos, sin, mask, cache, layer)
 
     def _forward(self, x, cos, sin, mask, cache, layer):
@@ -325,6 +421,111 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Memory estimate: what one rank holds at its peak, from the shapes alone (printed at the start of sft/grpo runs)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    C, HD, KD = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = C * HD + 2 * C * KD + HD * C + (HD + 2 * KD) * cfg.attention_bias
+    block = attn + 3 * C * cfg.intermediate_size + 2 * C  # + SwiGLU + two norms
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * C
+    return cfg.vocab_size * C + cfg.num_hidden_layers * block + C + head
+
+
+def block_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """What autograd keeps for backward in one Block over `tokens` (row, position) pairs: per token the block
+    input, both norms' inputs and outputs (the norm statistics in fp32), q/k/v, attention's output twice (as SDPA
+    returns it and reshaped for o_proj) and its logsumexp, and SwiGLU's four intermediate-size tensors (gate, silu,
+    up, product). tests/test_memory.py checks it against autograd's saved-tensor hooks."""
+    C, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    HD, KD = H * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = (4 * C + 3 * HD + HD + 2 * KD + 4 * I) * dtype_bytes + (H + 2) * 4
+    per_token += 2 * C * (4 - dtype_bytes)  # the norms normalise an fp32 copy of their input
+    return tokens * per_token
+
+
+def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0, max_tokens: int = 0,
+                    gen_rows: int = 0, gen_prompts: int = 0, prompt_len: int = 0, new_tokens: int = 0,
+                    param_bytes: int = 4, compute_bytes: int = 4, world_size: int = 1, dist: str = "none",
+                    activation_checkpointing: bool = False, reference: bool = False, cpu: bool = True,
+                    trainable: int | None = None) -> dict:
+    """Bytes one rank holds at its peak, by component: the persistent state plus the largest of three phases
+    (generation, the forward/backward of the largest micro-batch, the optimizer step).
+
+    rows: training rows per rank and step, each padded to seq tokens (the worst case), in micro-batches of at
+    most max_rows rows and max_tokens padded tokens (0 = no limit; common.micro_batches). gen_rows: rows sampled
+    at once, from gen_prompts prompts of prompt_len tokens (each prefilled once), new_tokens each.
+    param_bytes: the dtype of weights, gradients and AdamW moments; compute_bytes: of activations and KV cache.
+    dist "fsdp" shards the state over world_size ranks; "ddp" keeps replicas plus its gradient buckets.
+    trainable: parameters with gradients and AdamW state (None: all; LoRA would pass its adapters' count).
+    Live tensors only: allocator caching, the CUDA context and communication buffers come on top; on CPU
+    `runtime` stands for the interpreter, torch, the tokenizer and the data."""
+    P = param_count(cfg)
+    T = P if trainable is None else trainable
+    L, C, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    sharded = dist == "fsdp" and world_size > 1
+    shard = world_size if sharded else 1
+    outside = V * C * (2 - cfg.tie_word_embeddings) + C  # embeddings, head, final norm: FSDP2's root
+    block = (P - outside) // L  # parameters per block
+    est = {
+        "weights": P * param_bytes / shard,
+        "gradients": T * param_bytes / shard,
+        "optimizer": 2 * T * param_bytes / shard,  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
+        "reference": P * param_bytes / shard if reference else 0,  # GRPO's frozen KL reference
+        "ddp_buckets": T * param_bytes if dist == "ddp" and world_size > 1 else 0,
+    }
+    # FSDP2 gathers a block at a time in training (itself and the next, prefetched) and keeps the root's own
+    # parameters gathered from forward to backward; the sampler gathers the whole model
+    gathered_train = (2 * block + outside) * compute_bytes if sharded else 0
+    gathered_gen = P * compute_bytes if sharded else 0
+
+    # training, the largest micro-batch of n tokens. Checkpointed, each block keeps only its input, and backward
+    # recomputes one block at a time; either way backward adds about one block's worth of gradients in flight
+    micro = min(rows, max_rows or rows, max(max_tokens // seq, 1) if max_tokens else rows)
+    n = micro * seq
+    one_block = block_activation_bytes(cfg, n, compute_bytes)
+    head_input = n * 2 * C * 4 + n * C * compute_bytes  # the final norm's fp32 input and its output
+    acts = {False: (L + 1) * one_block + head_input, True: L * n * C * compute_bytes + 2 * one_block + head_input}
+    est["activations"] = acts[activation_checkpointing]
+    # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient
+    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + V * C * param_bytes
+    # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
+    # second on, all gradients exist alongside the activations
+    grads_live = est["gradients"] if rows > micro else V * C * param_bytes / shard
+    train = est["activations"] + est["logits_chunk"] + grads_live + gathered_train
+
+    # generation: the KV cache (each prompt's prefill cache, copied to its samples) and one decode step's logits
+    kv_per_slot = 2 * L * cfg.num_key_value_heads * cfg.head_dim * compute_bytes
+    est["kv_cache"] = kv_per_slot * (gen_rows * (prompt_len + new_tokens) + gen_prompts * prompt_len)
+    prefill = block_activation_bytes(cfg, gen_prompts * prompt_len, compute_bytes) // 2  # no grad: one layer
+    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + gathered_gen
+
+    # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
+    step = est["gradients"] + (max(V * C, block) if cpu else T) * param_bytes / shard
+    est["fsdp_gathered"] = max(gathered_train, gathered_gen)
+    est["runtime"] = RUNTIME_CPU_BYTES if cpu else 0
+    persistent = sum(est[k] for k in ("weights", "optimizer", "reference", "ddp_buckets", "runtime"))
+    phases = {"generation": gen, "training": train, "optimizer step": step}
+    est["phase"] = max(phases, key=phases.get)
+    est["peak"] = persistent + phases[est["phase"]]
+    est["activations_other"] = acts[not activation_checkpointing]  # the other --activation_checkpointing setting
+    est["activation_checkpointing"] = activation_checkpointing
+    return est
+
+
+def format_memory(est: dict) -> str:
+    """The estimate in one line (GB), printed at the start of every sft/grpo run."""
+    names = {"weights": "weights", "gradients": "gradients", "optimizer": "AdamW", "reference": "reference",
+             "ddp_buckets": "DDP buckets", "fsdp_gathered": "FSDP gathered", "activations": "activations",
+             "logits_chunk": "logits chunk", "kv_cache": "KV cache", "runtime": "runtime"}
+    parts = [f"{label} {est[k] / 1e9:.2f}" for k, label in names.items() if est[k] > 0]
+    other = "without" if est["activation_checkpointing"] else "with"
+    return (f"memory estimate per rank: {est['peak'] / 1e9:.2f} GB at its peak ({est['phase']}); GB: "
+            + ", ".join(parts) + f" (activations {est['activations_other'] / 1e9:.2f} {other} "
+            "--activation_checkpointing)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Hugging Face directories: config.json + model.safetensors (or shards + model.safetensors.index.json)
 
 
@@ -345,16 +546,22 @@ def _read_state(path: Path) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+def load_config(path) -> ModelConfig:
+    """An HF model directory's config.json (no weights read)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model directory (want an HF dir: config.json + model.safetensors)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'}: not found; is {path} a Hugging Face model directory?")
     try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
+
+
+def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+    path = Path(path)
+    cfg = load_config(path)
     state = _read_state(path)
     if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]  # HF omits the tied copy
@@ -380,11 +587,14 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
     """Writes an HF model directory: config.json, the weights in safetensors files of at most max_file_bytes
     (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json) and the tokenizer.
     DDP and FSDP2 models work; every rank must call it. Under FSDP2 each tensor is gathered in turn, so no rank
-    holds the whole model; rank 0 alone writes, holding at most one file's tensors."""
+    holds the whole model; rank 0 alone writes, holding at most one file's tensors. A LoRA model is written merged
+    (W + scale * B @ A, in W's dtype): a plain model of the same architecture."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
     main = not dist.is_initialized() or dist.get_rank() == 0
     tied = model.config.tie_word_embeddings
-    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}  # HF re-ties
+    lora = {k + ".weight": m for k, m in lora_layers(model).items()}
+    state = {k: v for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight") and ".lora_" not in k}  # HF re-ties
     files = [[]]  # tensor names per file, in order, each file <= max_file_bytes (or one tensor larger)
     size = 0
     for k, v in state.items():
@@ -407,7 +617,9 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
     for keys, name in zip(files, names):
         part = {}
         for k in keys:
-            v = state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]  # FSDP2: a collective
+            v = _full(state[k])  # FSDP2: a collective
+            if k in lora:
+                v = (v.float() + lora[k].delta()).to(v.dtype)
             if main:
                 part[_hf_name(k)] = v.detach().cpu().contiguous()
         if main:
@@ -420,6 +632,63 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if main and tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def _full(v: torch.Tensor) -> torch.Tensor:
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+# PEFT's adapter format: adapter_config.json + adapter_model.safetensors, keys named as in PeftModel's state dict
+ADAPTER_PREFIX = "base_model.model.model."
+
+
+def save_adapter(model, path, tokenizer=None) -> None:
+    """Writes the LoRA adapter alone as a PEFT adapter dir, which peft.PeftModel.from_pretrained(base, path) loads
+    onto the base model (and load_adapter here). Every rank must call it (FSDP2 gathers); rank 0 writes."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            v = _full(v)  # FSDP2: a collective, on every rank in the same order
+            tensors[ADAPTER_PREFIX + k] = v.detach().cpu().contiguous()
+    if not main:
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**model.lora, "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False,
+           "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    _fsync(path / "adapter_model.safetensors")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_adapter(model: "Transformer", path, base_dtype: torch.dtype | None = None) -> "Transformer":
+    """Adds the PEFT LoRA adapter in `path` (ours, or one peft saved) to the model, in place; returns the model."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        targets = cfg["target_modules"]
+        targets = [targets] if isinstance(targets, str) else targets
+        if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("rank_pattern"):
+            raise ValueError("only plain LoRA adapters are supported (no DoRA, rsLoRA or per-layer ranks)")
+        add_lora(model, cfg["r"], cfg["lora_alpha"], 0.0, targets, base_dtype=base_dtype,
+                 base=cfg.get("base_model_name_or_path"))
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path / 'adapter_config.json'}: not a usable LoRA adapter config ({e})") from None
+    try:
+        state = load_file(path / "adapter_model.safetensors")
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path / 'adapter_model.safetensors'}: unreadable ({e})") from None
+    state = {k.removeprefix(ADAPTER_PREFIX).replace(".default.", "."): v for k, v in state.items()}
+    want = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    if state.keys() != want.keys() or any(state[k].shape != v.shape for k, v in want.items()):
+        raise ValueError(f"{path}: the adapter's tensors do not fit this base model (e.g. "
+                         f"{sorted(state.keys() ^ want.keys())[:2]}); is it the base the adapter was trained on?")
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 def _hf_name(key: str) -> str:

@@ -11,10 +11,11 @@ One example is [prompt tokens] + [target tokens] + [EOS], where the prompt is da
 the response, e.g. with "<think>") and the target is data.sft_target(row) ("reasoning</think> <answer>N</answer>").
 Labels are -100 on the prompt and on padding, so only the completion is learned; batches are right-padded.
 
-Batching: global batch = micro_batch x grad_accum x world_size; you set --global_batch and --micro_batch and the
-accumulation follows. Step s trains on items [s*G, (s+1)*G) of a seeded stream of epoch permutations, rank r on its
-contiguous share, and the loss is (sum of token losses) / (target tokens in the whole global batch); so 1 process
-and N processes compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
+Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of a seeded stream
+of epoch permutations, rank r on its contiguous share, which it splits into micro-batches of similar lengths (at
+most --micro_batch rows and --micro_batch_tokens padded tokens; common.micro_batches) for gradient accumulation. The
+loss is (sum of token losses) / (target tokens in the whole global batch), so 1 process and N processes, and any
+micro-batch split, compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
 
 Stopping: --steps is an upper bound (and the end of the cosine schedule, if --min_lr_ratio < 1); --max_minutes m
 stops after m minutes of training (evals excluded; the same measure as grpo.py's, so "continue SFT for as long as
@@ -42,14 +43,16 @@ rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/
 back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes
 (launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
 
-Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
-the global batch (long solutions weigh more).
+LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter and its
+optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see the README.
+
+Simplifications: no sequence packing (each micro-batch pads to its longest row; length grouping keeps that small);
+the loss is a plain token mean over the global batch (long solutions weigh more).
 """
 
 import gc
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,20 +60,29 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
-from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    export_lora,
+    publish_model,
+    resolve_model_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     JsonlLogger,
     all_reduce_named,
     any_rank,
     cleanup_dist,
+    grad_sync,
     init_dist,
     lr_at,
+    micro_batches,
     parse_config,
     peak_mem_mb,
     print0,
     seed_all,
     stays_stopped,
-    unwrap_model,
     user_input,
     wrap_model,
 )
@@ -93,9 +105,18 @@ class SFTConfig:
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
     task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
     template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    # LoRA (off by default: every weight trains)
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base "
+                                                       "(0 = off, full fine-tuning)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
+    lora_targets: tuple[str, ...] = field(default=model_lib.LORA_TARGETS,
+                                          metadata={"help": "projections that get adapters (comma list)"})
+    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
+                                                              "choices": ["float32", "bfloat16"]})
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
-    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward on one rank"})
+    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward, at most (0 = no limit)"})
     steps: int = field(default=6000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time, eval "
                                                              "excluded (0 = off)"})
@@ -109,8 +130,11 @@ class SFTConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
     # memory
+    micro_batch_tokens: int = field(default=0, metadata={
+        "help": "padded tokens per forward/backward, at most (rows x longest row; rows grouped by length; 0 = off)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
+    dry_run: bool = field(default=False, metadata={"help": "print the memory estimate per rank and exit"})
     # held-out evaluation and stopping
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
@@ -136,7 +160,7 @@ class SFTConfig:
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch): --resume
 # refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist, ...) may change
 RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed")
+                     "template", "global_batch", "seed", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -172,12 +196,19 @@ def reached_bar(history: list[float], target: float, patience: int) -> bool:
     return target > 0 and len(recent) == patience and min(recent) >= target
 
 
-def no_sync(model, last: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch (DDP no_sync / FSDP2 requires_gradient_sync)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last)
-        return nullcontext()
-    return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()
+EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
+
+
+def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, device_type: str) -> dict:
+    """memory_estimate's arguments for this run, at its worst case: every row as long as the longest (seq tokens);
+    the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once each, --max_new_tokens long."""
+    eval_prompts = EVAL_BATCH if cfg.eval_every else 0
+    bf16_compute = cfg.dist == "fsdp" and world > 1 and device_type == "cuda"  # common.wrap_model's policy
+    return dict(rows=cfg.global_batch // world, seq=seq, max_rows=cfg.micro_batch, max_tokens=cfg.micro_batch_tokens,
+                gen_rows=eval_prompts, gen_prompts=eval_prompts, prompt_len=eval_prompt_len,
+                new_tokens=cfg.max_new_tokens, compute_bytes=2 if bf16_compute else 4, world_size=world,
+                dist=cfg.dist if world > 1 else "none", activation_checkpointing=cfg.activation_checkpointing,
+                cpu=device_type == "cpu")
 
 
 # -----------------------------------------------------------------------------
@@ -191,15 +222,13 @@ def main(argv=None):
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
-    if per_rank % cfg.micro_batch:
-        raise SystemExit(f"error: --global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
-                         f"not divisible by --micro_batch {cfg.micro_batch}")
-    accum = per_rank // cfg.micro_batch
+    if min(cfg.micro_batch, cfg.micro_batch_tokens) < 0:
+        bad = "--micro_batch" if cfg.micro_batch < 0 else "--micro_batch_tokens"
+        raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
     if not 0 < cfg.lr < math.inf:
         raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
     try:
@@ -209,29 +238,21 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"error: data: {e}") from None
 
-    # --- model and tokenizer: an HF dir, or a fresh preset with the char tokenizer ---------------------------------
-    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer (no weights read yet) ---
     if cfg.init is not None:
         path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
-        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            model = model_lib.load_model(path, device=d.device)
+        with user_input("--init"):  # a bad config.json, no tokenizer, ...
+            model_cfg = model_lib.load_config(path)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
-        model = model_lib.Transformer(model_lib.preset_config(
-            cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
-    seed_all(cfg.seed, d.rank)
+        model_cfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                            **parse_knobs(cfg.model_overrides))  # fmt: skip
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
-    n_params = sum(p.numel() for p in model.parameters())
-    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
-    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
     examples = []
@@ -240,15 +261,43 @@ def main(argv=None):
         target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
         examples.append(build_example(tok.encode(prompt), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
-    max_len = unwrap_model(model).config.max_position_embeddings
-    if max(len(ids) for ids, _ in examples) > max_len:
-        raise SystemExit(f"error: the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
-                         f"max_position_embeddings {max_len}")
+    max_len, longest = model_cfg.max_position_embeddings, max(len(ids) for ids, _ in examples)
+    if longest > max_len:
+        raise SystemExit(f"error: the longest example has {longest} tokens > the model's max_position_embeddings "
+                         f"{max_len}")
     longest_eval = max(len(tok.encode(format_prompt(r["question"], cfg.template, tok)[0])) for r in eval_rows)
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + --max_new_tokens="
                          f"{cfg.max_new_tokens} exceeds the model's max_position_embeddings={max_len}: lower "
                          "--max_new_tokens")
+    # the memory this run needs; a training row is the longest example shifted by one
+    est = model_lib.memory_estimate(model_cfg, **memory_shapes(cfg, W, longest - 1, longest_eval, d.device.type))
+    print0(model_lib.format_memory(est))
+    if cfg.dry_run:
+        return cleanup_dist()
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+
+    # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------------------------
+    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    if cfg.init is not None:
+        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
+            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else torch.float32
+            model = model_lib.load_model(path, device=d.device, dtype=dtype)
+    else:
+        model = model_lib.Transformer(model_cfg).to(d.device)
+    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
+        with user_input("--lora_*"):
+            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
+    seed_all(cfg.seed, d.rank)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
+    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
 
     def item(i: int) -> int:
@@ -262,8 +311,10 @@ def main(argv=None):
     state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
                       tensorboard_dir=out / "tb" if cfg.tensorboard else None, start_step=state["step"])
-    print0(f"SFT: {n_params / 1e6:.2f}M params, {len(examples)} examples ({cfg.task} {cfg.split}), global batch "
-           f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
+    limits = " and ".join([f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
+                          + [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)) or "no limit"
+    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} examples "
+           f"({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {W} rank(s) in micro-batches of {limits}, "
            f"dist={cfg.dist if W > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
 
@@ -283,10 +334,12 @@ def main(argv=None):
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         model.train()
         losses, n_in = [], 0  # per micro-batch summed token losses (on the device), input tokens (host count)
-        for k in range(accum):
-            micro = [examples[i] for i in mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]]
-            inputs, targets = collate(micro, pad_id, d.device)  # (b, T) each, on the device
-            with no_sync(model, k == accum - 1):
+        # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row (FSDP2 gathers)
+        groups = micro_batches([len(examples[i][0]) - 1 for i in mine], cfg.micro_batch, cfg.micro_batch_tokens)
+        for k, group in enumerate(groups):
+            micro = [examples[mine[j]] for j in group]
+            inputs, targets = collate(micro or [([pad_id, pad_id], [-100, -100])], pad_id, d.device)  # (b, T) each
+            with grad_sync(model, k == len(groups) - 1):
                 loss = sft_loss(model, inputs, targets)
                 (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
             losses.append(loss.detach())
@@ -333,14 +386,19 @@ def main(argv=None):
             break
     bar.close()
     log.close()
-    if d.is_main:
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+        export_lora(model, tok, out, d)
+    elif d.is_main:
         publish_model(ckpt, out / "model")
     if cfg.stop_pass1 > 0 and history and not reached_bar(history, cfg.stop_pass1, cfg.stop_patience):
         # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong) to the next stage
         print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in {cfg.stop_patience} "
                f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
                "this start learns little: run again with more --steps (it resumes) or another --seed")
-    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
+    local = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]  # FSDP2: own shard
+    opt_bytes = sum(t.numel() * t.element_size() for t in local)
+    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state {opt_bytes / 2**20:.1f} MiB "
+           f"(rank 0); model in {out / 'model'}")
     cleanup_dist()
 
 

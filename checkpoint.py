@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -119,7 +120,10 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     _write_fsynced(tmp / RNG.format(dist.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
     state, _ = _train_state(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
-    model_lib.save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
+    if model_lib.lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
+        model_lib.save_adapter(model, tmp, tokenizer)
+    else:
+        model_lib.save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
     barrier()  # every rank's files are written and fsynced
     if dist.is_main:
         if config is not None:
@@ -148,13 +152,18 @@ def _train_state(model, optimizer) -> tuple[dict, dict | None]:
     "module." stripped; a tied lm_head.weight left out) and as this rank holds them: DTensor shards under FSDP2,
     whole tensors otherwise; tensors only (an optimizer's param_groups, its hyperparameters, are not saved). Also
     returns the optimizer's full state dict, whose "state" is the same tensors. Loading reads into these tensors."""
-    state, optim_sd = {"model": get_model_state_dict(model)}, None
+    # frozen weights (the base of a LoRA model) are not training state: they come from --init again
+    state, optim_sd = {"model": get_model_state_dict(model, options=_TRAINABLE)}, None
     if unwrap_model(model).config.tie_word_embeddings:  # one tensor under two names: keep one
-        del state["model"]["lm_head.weight"]
+        state["model"].pop("lm_head.weight", None)
     if optimizer is not None:
         optim_sd = get_optimizer_state_dict(model, optimizer)  # a fresh optimizer gets zero moments first
         state["optimizer"] = optim_sd["state"]
     return state, optim_sd
+
+
+# the trainable tensors only; loading them leaves the frozen ones as they are (DCP itself fails on a missing one)
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _write_fsynced(path: Path, write):
@@ -219,6 +228,22 @@ def publish_model(ckpt_dir, dst):
     tmp.rename(dst)
 
 
+def export_lora(model, tokenizer, out_dir, dist: Dist):
+    """Every rank (FSDP2 gathers): a LoRA run's result as OUT/model, the merged HF model dir (transformers, eval.py,
+    --init), and OUT/adapter, the adapter alone in PEFT's format; each written to a tmp dir, then renamed."""
+    for name, save in (("model", model_lib.save_model), ("adapter", model_lib.save_adapter)):
+        dst = Path(out_dir) / name
+        tmp = dst.with_name(f".tmp_{name}")
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        save(model, tmp, tokenizer)
+        if dist.is_main:
+            _fsync_dir(tmp)
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+    barrier()
+
+
 # -----------------------------------------------------------------------------
 # load
 
@@ -232,9 +257,9 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     progress = json.loads((ckpt_dir / PROGRESS).read_text())
     state, optim_sd = _train_state(model, optimizer)
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), no_dist=not is_dist())
-    if unwrap_model(model).config.tie_word_embeddings:
+    if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
         state["model"]["lm_head.weight"] = state["model"]["embed_tokens.weight"]
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_TRAINABLE)
     if optimizer is not None:  # the loaded moments with the current hyperparameters
         set_optimizer_state_dict(model, optimizer, optim_sd)
     rank_state = {}
@@ -398,7 +423,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*out.glob("step_*"), out / "model", out / "tb", out / "wandb"]
+            doomed += [*out.glob("step_*"), out / "model", out / "adapter", out / "tb", out / "wandb"]
             for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
         newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]

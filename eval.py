@@ -22,11 +22,13 @@ Simplifications: no per-problem generators (a batch shares one), no answer-equiv
 """
 
 import gc
+import json
 import math
 import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -43,9 +45,10 @@ from common import (
     parse_config,
     print0,
     save_json,
+    user_input,
 )
 from data import format_prompt, load_task, parse_knobs
-from model import load_model, load_tokenizer
+from model import load_adapter, load_model, load_tokenizer, merge_lora
 from sampler import generate
 
 
@@ -53,7 +56,12 @@ from sampler import generate
 class EvalConfig:
     """Evaluate an HF model directory on a task split (pass@1, pass@k, maj@k, format, length, truncation)."""
     # model and data
-    model: str = field(default="runs/sft/model", metadata={"help": "HF model dir or run dir (its latest checkpoint)"})
+    model: str = field(default="runs/sft/model", metadata={"help": "HF model dir, LoRA adapter dir, or run dir (its "
+                                                                   "latest checkpoint)"})
+    lora_base: str = field(default="", metadata={"help": "for an adapter: its base model dir ('' = the one "
+                                                         "adapter_config.json names)"})
+    lora_merge: bool = field(default=True, metadata={"help": "for an adapter: merge it into the weights before "
+                                                             "sampling (faster; equal to rounding)"})
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="test[:400]", metadata={"help": "problems, e.g. test, test[:400], train[10%:]"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
@@ -167,16 +175,35 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     return summary, records
 
 
+def _adapter_base(adapter: Path) -> str:
+    """The base model an adapter dir names (adapter_config.json's base_model_name_or_path)."""
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {adapter / 'adapter_config.json'}: unreadable ({e})") from None
+    if not base:
+        raise SystemExit(f"error: {adapter}: the adapter names no base model (trained on a fresh model?): pass "
+                         "--lora_base DIR, or evaluate the run's merged OUT/model")
+    return base
+
+
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv)
     rewards.check_tolerance(cfg.reward_tolerance)
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
     path = resolve_model_dir(cfg.model)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {cfg.model}: not a model directory (no config.json)")
-    tok = load_tokenizer(path)
-    model = load_model(path, device=d.device, dtype=getattr(torch, cfg.dtype))
+    adapter = (path / "adapter_config.json").is_file()  # a LoRA adapter: a LoRA run's checkpoint or OUT/adapter
+    base = Path(cfg.lora_base or _adapter_base(path)) if adapter else path
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"error: --model {cfg.model}: not a model directory (no config.json in {base})")
+    with user_input("--model"):  # no weights, a truncated file, an adapter that does not fit the base, ...
+        tok = load_tokenizer(path if any(path.glob("tokenizer*")) else base)
+        model = load_model(base, device=d.device, dtype=getattr(torch, cfg.dtype))
+        if adapter:
+            load_adapter(model, path)
+            if cfg.lora_merge:
+                merge_lora(model)
     try:
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
     except (ValueError, FileNotFoundError, RuntimeError) as err:

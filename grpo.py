@@ -5,7 +5,8 @@ One step, top to bottom (follow a batch through `main`):
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)
   4. group advantages A_i = r_i - mean(r) (optionally / (std(r) + eps))
-  5. micro-batched forward/backward of the --loss policy term (+ beta * k3 KL to a frozen reference)
+  5. micro-batched forward/backward of the --loss policy term (+ beta * k3 KL to a frozen reference: a copy of
+     the start model, or with --lora_rank the policy itself with its adapters switched off)
   6. grad clip, AdamW step, metrics (all-reduced over ranks), eval / checkpoint every N steps
 
 Launch:
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
-from checkpoint import check_finite, resume_point, save_checkpoint, start_or_resume
+from checkpoint import check_finite, export_lora, resume_point, save_checkpoint, start_or_resume
 from common import (
     Dist,
     JsonlLogger,
@@ -57,7 +58,7 @@ from common import (
 )
 from data import format_prompt, load_task, parse_knobs
 from eval import evaluate
-from model import load_model, load_tokenizer
+from model import LORA_TARGETS, adapters_off, add_lora, load_model, load_tokenizer
 from sampler import generate
 
 
@@ -73,6 +74,15 @@ class GRPOConfig:
     template: str = field(default="short", metadata={"help": "prompt template", "choices": ["short", "r1", "chat"]})
     eval_split: str = field(default="test[:200]", metadata={"help": "held-out problems for in-loop eval"})
     out_dir: str = field(default="runs/grpo", metadata={"help": "run directory (config, metrics, checkpoints)"})
+    # LoRA (off by default: every weight trains)
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base; the "
+                                                       "KL reference is the base itself (0 = off)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
+    lora_targets: tuple[str, ...] = field(default=LORA_TARGETS,
+                                          metadata={"help": "projections that get adapters (comma list)"})
+    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
+                                                              "choices": ["float32", "bfloat16"]})
     # GRPO
     prompts_per_step: int = field(default=16, metadata={"help": "prompts per step, over all ranks"})
     group_size: int = field(default=8, metadata={"help": "G: completions sampled per prompt"})
@@ -133,7 +143,7 @@ class GRPOConfig:
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape):
 # --resume refuses a checkpoint that differs in these; other flags (lr, steps, loss, dist, world size, ...) may change
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
-                     "group_size", "seed", "dtype")
+                     "group_size", "seed", "dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -339,7 +349,9 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
         with torch.no_grad():
             for k in range(n_micro):
                 old[k] = completion_logprobs(model, *sliced[k], cfg.temperature)[0] if cfg.mu > 1 else None
-                ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature)[0] if ref is not None else None
+                if ref is not None:  # with LoRA, ref is the policy itself and the base is it without adapters
+                    with adapters_off(ref):
+                        ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature)[0]
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for update in range(cfg.mu):
         for k, idx in enumerate(micro):
@@ -428,18 +440,26 @@ def main(argv=None):
 
     # --- model, reference, tokenizer ---------------------------------------------------------------------------
     with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
-        model = load_model(cfg.init, device=d.device, dtype=dtype)
+        base_dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else dtype  # read the base in its dtype
+        model = load_model(cfg.init, device=d.device, dtype=base_dtype)
         tok = load_tokenizer(cfg.init)
+    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
+        with user_input("--lora_*"):
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, seed=cfg.seed,
+                     base=cfg.init)
     max_pos = model.config.max_position_embeddings
     eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     ref = None
-    if cfg.beta > 0:  # frozen copy of the starting policy; with beta = 0 it is never built
+    if cfg.beta > 0 and not cfg.lora_rank:  # frozen copy of the starting policy; with beta = 0 it is never built
         ref = load_model(cfg.init, device=d.device, dtype=dtype).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d)
     model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    if cfg.beta > 0 and cfg.lora_rank:
+        ref = model  # the reference for free: the same weights with the adapters switched off
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+    opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
 
     # --- data: prompts are tokenized once ------------------------------------------------------------------------
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
@@ -528,6 +548,8 @@ def main(argv=None):
                             config=asdict(cfg))
         if done:
             break
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+        export_lora(model, tok, cfg.out_dir, d)
     log.close()
     samples_log.close()
     cleanup_dist()

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import string
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -132,6 +133,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * scaled / s["factor"] + smooth * scaled, scaled)
 
 
+def rope_cos_sin(inv_freq, input_pos, dtype):
+    """input_pos (B, T) -> cos, sin (B, T, 1, D) in dtype, sin's first half negated (see apply_rope)."""
+    freqs = input_pos.unsqueeze(-1).float() * inv_freq  # (B, T, D/2)
+    cos = torch.cat((freqs, freqs), dim=-1).cos().unsqueeze(2).to(dtype)
+    sin = torch.cat((-freqs, freqs), dim=-1).sin().unsqueeze(2).to(dtype)
+    return cos, sin
+
+
 def apply_rope(x, cos, sin):  # x (B, T, H, D); cos (B, T, 1, D); sin (B, T, 1, D) with its first half negated
     # HF's rotate-half, x * cos + cat(-x2, x1) * sin, in three ops: roll gives cat(x2, x1)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
@@ -205,6 +214,99 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
+# LoRA (Hu et al. 2021): a frozen projection W plus a trainable low-rank update, y = W x + (alpha / r) B A x.
+# Parameter names are PEFT's (q_proj.lora_A.weight, ...) and the base keeps its HF name (q_proj.weight), so the base
+# weights still load strictly by name and the adapter file is PEFT's after a prefix.
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear's weight and bias, plus lora_A (r, in) and lora_B (out, r) in fp32. B starts at zero, so a
+    fresh adapter leaves the model unchanged; A starts as PEFT's does (U(-1/sqrt(in), 1/sqrt(in))), from `generator`."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias  # the same tensors, under the same names
+        device, n_in = base.weight.device, base.in_features
+        self.lora_A = nn.Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            a = (torch.rand(rank, n_in, generator=generator) * 2 - 1) / math.sqrt(n_in)  # on the CPU: any device
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.zero_()
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True  # False: the base projection alone (the KL reference, see adapters_off)
+
+    def forward(self, x):  # x (B, T, in) -> (B, T, out)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
+        a = self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype))  # (B, T, r)
+        return y + (self.lora_B(a) * self.scale).to(y.dtype)
+
+    def delta(self) -> torch.Tensor:
+        """(out, in) fp32: what merging adds to the weight, scale * B @ A (full tensors, also under FSDP2)."""
+        return self.scale * _full(self.lora_B.weight) @ _full(self.lora_A.weight)
+
+
+def add_lora(model: "Transformer", rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS, *,
+             seed: int = 0, base_dtype: torch.dtype | None = None, base: str | None = None) -> "Transformer":
+    """Freeze every weight of the model (cast to base_dtype if given) and wrap the `targets` projections of each
+    block in LoRALinear, in place; A is drawn from `seed`, so every rank builds the same adapter. `base` names the
+    base model in the exported adapter_config.json. Returns the model, with model.lora its settings (PEFT's names)."""
+    bad = sorted(set(targets) - set(LORA_TARGETS))
+    if rank < 1 or not alpha > 0 or not 0 <= dropout < 1 or bad or not targets:
+        raise ValueError(f"bad LoRA settings: rank={rank} (want >= 1), alpha={alpha} (> 0), dropout={dropout} "
+                         f"(in [0, 1)), targets {list(targets)} (a non-empty subset of {list(LORA_TARGETS)})")
+    if base_dtype is not None:
+        model.to(base_dtype)
+    model.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    for block in model.layers:
+        block.draws_random = dropout > 0
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if name in targets:
+                    setattr(parent, name, LoRALinear(child, rank, alpha, dropout, g))
+    model.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+                  "target_modules": [t for t in LORA_TARGETS if t in targets], "base_model_name_or_path": base}
+    return model
+
+
+def lora_layers(model) -> dict[str, LoRALinear]:
+    """Name (as in the state dict, DDP's "module." stripped) -> LoRALinear; empty for a model without LoRA."""
+    return {k.removeprefix("module."): m for k, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model: "Transformer") -> "Transformer":
+    """Fold each adapter into its weight, W + scale * B @ A in W's dtype, and drop the adapters: a plain model again
+    (in place; not under FSDP2). Returns the model."""
+    for name, m in lora_layers(model).items():
+        parent, child = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        plain = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
+        with torch.no_grad():
+            plain.weight = nn.Parameter((m.weight.float() + m.delta()).to(m.weight.dtype), requires_grad=False)
+        plain.bias = m.bias
+        setattr(parent, child, plain)
+    model.lora = None
+    return model
+
+
+@contextmanager
+def adapters_off(model):
+    """The base model: every LoRA update switched off for the duration (the GRPO reference, no second copy)."""
+    layers = lora_layers(model).values()
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -213,13 +315,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.checkpointed = False  # set_activation_checkpointing: recompute this block in backward
+        self.draws_random = False  # LoRA dropout: the recompute must replay the same masks
 
     def forward(self, x, cos, sin, mask, cache, layer):
         if self.checkpointed and torch.is_grad_enabled():
-            # keep only the block's input for backward and run the block again there (no dropout: no RNG to
-            # replay). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's wrapper does
+            # keep only the block's input for backward and run the block again there (RNG states are replayed only
+            # for LoRA dropout). Under FSDP2 this runs inside the block's fully_shard hooks, as torchtitan's does
             return checkpoint(self._forward, x, cos, sin, mask, cache, layer, use_reentrant=False,
-                              preserve_rng_state=False)
+                              preserve_rng_state=self.draws_random)
         return self._forward(x, cos, sin, mask, cache, layer)
 
     def _forward(self, x, cos, sin, mask, cache, layer):
@@ -275,10 +378,8 @@ class Transformer(nn.Module):
             self.inv_freq = self.inv_freq.to(tokens.device)
         if input_pos is None:
             input_pos = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        freqs = input_pos.unsqueeze(-1).float() * self.inv_freq  # (B, T, D/2)
         x = self.embed_tokens(tokens)  # (B, T, C)
-        cos = torch.cat((freqs, freqs), dim=-1).cos().unsqueeze(2).to(x.dtype)  # (B, T, 1, D)
-        sin = torch.cat((-freqs, freqs), dim=-1).sin().unsqueeze(2).to(x.dtype)  # sign folded in: see apply_rope
+        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
         mask = None  # plain causal attention (or none at all for a single query)
         if attn_mask is not None or (start > 0 and T > 1):
             q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)
@@ -369,11 +470,14 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
     """Writes an HF model directory: config.json, the weights in safetensors files of at most max_file_bytes
     (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json) and the tokenizer.
     DDP and FSDP2 models work; every rank must call it. Under FSDP2 each tensor is gathered in turn, so no rank
-    holds the whole model; rank 0 alone writes, holding at most one file's tensors."""
+    holds the whole model; rank 0 alone writes, holding at most one file's tensors. A LoRA model is written merged
+    (W + scale * B @ A, in W's dtype): a plain model of the same architecture."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
     main = not dist.is_initialized() or dist.get_rank() == 0
     tied = model.config.tie_word_embeddings
-    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}  # HF re-ties
+    lora = {k + ".weight": m for k, m in lora_layers(model).items()}
+    state = {k: v for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight") and ".lora_" not in k}  # HF re-ties
     files = [[]]  # tensor names per file, in order, each file <= max_file_bytes (or one tensor larger)
     size = 0
     for k, v in state.items():
@@ -396,7 +500,9 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
     for keys, name in zip(files, names):
         part = {}
         for k in keys:
-            v = state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]  # FSDP2: a collective
+            v = _full(state[k])  # FSDP2: a collective
+            if k in lora:
+                v = (v.float() + lora[k].delta()).to(v.dtype)
             if main:
                 part[_hf_name(k)] = v.detach().cpu().contiguous()
         if main:
@@ -409,6 +515,63 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if main and tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def _full(v: torch.Tensor) -> torch.Tensor:
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+# PEFT's adapter format: adapter_config.json + adapter_model.safetensors, keys named as in PeftModel's state dict
+ADAPTER_PREFIX = "base_model.model.model."
+
+
+def save_adapter(model, path, tokenizer=None) -> None:
+    """Writes the LoRA adapter alone as a PEFT adapter dir, which peft.PeftModel.from_pretrained(base, path) loads
+    onto the base model (and load_adapter here). Every rank must call it (FSDP2 gathers); rank 0 writes."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            v = _full(v)  # FSDP2: a collective, on every rank in the same order
+            tensors[ADAPTER_PREFIX + k] = v.detach().cpu().contiguous()
+    if not main:
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**model.lora, "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False,
+           "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    _fsync(path / "adapter_model.safetensors")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_adapter(model: "Transformer", path, base_dtype: torch.dtype | None = None) -> "Transformer":
+    """Adds the PEFT LoRA adapter in `path` (ours, or one peft saved) to the model, in place; returns the model."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        targets = cfg["target_modules"]
+        targets = [targets] if isinstance(targets, str) else targets
+        if cfg.get("peft_type") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("rank_pattern"):
+            raise ValueError("only plain LoRA adapters are supported (no DoRA, rsLoRA or per-layer ranks)")
+        add_lora(model, cfg["r"], cfg["lora_alpha"], 0.0, targets, base_dtype=base_dtype,
+                 base=cfg.get("base_model_name_or_path"))
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path / 'adapter_config.json'}: not a usable LoRA adapter config ({e})") from None
+    try:
+        state = load_file(path / "adapter_model.safetensors")
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path / 'adapter_model.safetensors'}: unreadable ({e})") from None
+    state = {k.removeprefix(ADAPTER_PREFIX).replace(".default.", "."): v for k, v in state.items()}
+    want = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    if state.keys() != want.keys() or any(state[k].shape != v.shape for k, v in want.items()):
+        raise ValueError(f"{path}: the adapter's tensors do not fit this base model (e.g. "
+                         f"{sorted(state.keys() ^ want.keys())[:2]}); is it the base the adapter was trained on?")
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 def _hf_name(key: str) -> str:

@@ -10,6 +10,7 @@ whatever the batch size, and one host sync ("is every row done?"). Finished rows
 are masked) until the whole batch is done: removing them would cost a cache gather per step.
 """
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from model import KVCache
+from model import KVCache, rope_cos_sin
 
 
 @dataclass
@@ -76,13 +77,18 @@ def gathered(model):
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
              top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, noise=None,
-             compile=False) -> Generation:
+             static=None, compile=None, cuda_graph=None) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
     from `generator` (on the model's device), or from `noise`: (N, max_new_tokens) uniforms in [0, 1) on the
     model's device, row i's draw at step t being noise[i, t], so a row's samples do not depend on which other
     rows share its batch. Works on a plain, DDP-wrapped or FSDP2-sharded model.
-    compile=True runs the decode step through torch.compile (dynamic shapes, one graph for every step): the
-    first call compiles for tens of seconds; it pays off for long or repeated generations."""
+    How each token is decoded: static=True uses decode_step (fixed shapes: every step attends over all cache
+    slots, masked), else the model's forward over the slots filled so far (shapes grow by one slot a step).
+    compile=True runs decode_step through torch.compile (the first call of a shape compiles, for tens of seconds;
+    later calls reuse it); cuda_graph=True replays it as a CUDA graph captured once per batch shape and reused
+    across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
+    None picks the device's default, DEFAULTS (README, "Decoding speed", says how it was chosen). Every mode
+    samples the same tokens; log-probs agree to float rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config
@@ -99,18 +105,114 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"generator on {generator.device}, model on {device}: use torch.Generator({device.type!r})")
     if noise is not None and tuple(noise.shape) != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(f"noise of shape {tuple(noise.shape)}: expected (prompts * num_samples, max_new_tokens)")
+    default = DEFAULTS.get(device.type, {"static": False, "compile": False, "cuda_graph": False})
+    compile = default["compile"] if compile is None else compile
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    cuda_graph = (default["cuda_graph"] and not sharded) if cuda_graph is None else cuda_graph
+    static = compile or cuda_graph or (default["static"] if static is None else static)
+    if cuda_graph and (device.type != "cuda" or sharded):
+        raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
+                         f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
-                         generator, noise, compile)
+                         generator, noise, static, compile, cuda_graph)
+
+
+# device type -> generate()'s modes when given None: chosen by measurement (README, "Decoding speed"). CUDA: not
+# measured yet, so off there too
+DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False},
+            "cuda": {"static": False, "compile": False, "cuda_graph": False}}
+SLOT_BUCKET = 32  # the cache length is rounded up to a multiple of this: fewer distinct shapes to compile / capture
+
+
+def decode_step(model, cache: KVCache, tok, pos, slot, keys):
+    """One new token per row, static shapes: every tensor keeps its shape from step to step and call to call, so
+    torch.compile traces it once and a CUDA graph can replay it. tok, pos (N, 1) long: the token and its RoPE
+    position; slot (1,) long: the cache slot it is written to (the same in every row); keys (N, S) bool: the slots
+    each row attends to, this step's included. -> logits (N, V) fp32."""
+    x = model.embed_tokens(tok)  # (N, 1, C)
+    cos, sin = rope_cos_sin(model.inv_freq, pos, x.dtype)  # (N, 1, 1, D)
+    mask = torch.zeros(keys.shape, dtype=x.dtype, device=x.device).masked_fill_(~keys, float("-inf"))
+    slots = _SlotWriter(cache, slot)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, cos, sin, mask[:, None, None], slots, i)  # attends over all S slots, masked
+    return model.lm_head(model.norm(x))[:, 0].float()
+
+
+class _SlotWriter:
+    """What Attention needs of a cache, at a fixed shape: write this step's keys/values at `slot` (an index tensor,
+    not a Python int, so the traced step does not change with it) and return all S slots."""
+
+    def __init__(self, cache: KVCache, slot):
+        self.cache, self.slot = cache, slot
+
+    def update(self, layer, k, v):  # k, v (N, 1, Hkv, D) -> (N, S, Hkv, D) each
+        self.cache.k_layers[layer].index_copy_(1, self.slot, k)
+        self.cache.v_layers[layer].index_copy_(1, self.slot, v)
+        return self.cache.k_layers[layer], self.cache.v_layers[layer]
+
+
+_compiled_step = None
+
+
+class Decoder:
+    """One decode step and the buffers it works on: a KVCache of N rows x S slots and the key mask keys (N, S).
+    static=False: the model's forward over the slots filled so far. With cuda_graph the first call captures the
+    static step (on copies of its inputs) and later calls replay it."""
+
+    def __init__(self, cfg, N, S, device, dtype, static, compile, cuda_graph):
+        global _compiled_step
+        self.cache = KVCache(cfg, N, S, device, dtype)
+        self.keys = torch.zeros(N, S, dtype=torch.bool, device=device)
+        if compile and _compiled_step is None:  # one compiled function for the process: its graphs are reused
+            _compiled_step = torch.compile(decode_step)
+        self.step = _compiled_step if compile else decode_step
+        self.static, self.cuda_graph, self.graph = static, cuda_graph, None
+
+    def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
+        if not self.static:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
+            return model(tok, cache=self.cache, input_pos=pos, attn_mask=self.keys, last_only=True)[:, -1]
+        if not self.cuda_graph:
+            return self.step(model, self.cache, tok, pos, slot, self.keys)
+        if self.graph is None:
+            self.inputs = (tok.clone(), pos.clone(), slot.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up (and compile) off the capture; it writes only this step's slot
+                for _ in range(2):
+                    self.step(model, self.cache, *self.inputs, self.keys)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.step(model, self.cache, *self.inputs, self.keys)
+        for static, new in zip(self.inputs, (tok, pos, slot)):
+            static.copy_(new)
+        self.graph.replay()
+        return self.logits
+
+
+_graphed = {}  # (model, N, S, dtype) -> Decoder: captured CUDA graphs, reused across calls (one entry, the last)
+
+
+def decoder(model, N, S, device, dtype, static, compile, cuda_graph) -> Decoder:
+    if not cuda_graph:
+        return Decoder(model.config, N, S, device, dtype, static, compile, False)
+    key = (id(model), N, S, device, dtype, compile)
+    found = _graphed.get(key)
+    if found is None or found[0]() is not model:  # (an id can be reused once its model is gone)
+        _graphed.clear()  # the graph holds its cache: keep one
+        found = _graphed[key] = (weakref.ref(model), Decoder(model.config, N, S, device, dtype, True, compile, True))
+    return found[1]
 
 
 def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, noise,
-              compile):
+              static, compile, cuda_graph):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
     device, dtype = weight.device, weight.dtype
-    P, L = len(prompts), max(map(len, prompts))
-    N, S = P * G, L + max_new_tokens  # rows, cache slots
-    # left-pad: every prompt ends at slot L - 1, so step t writes slot L + t in every row
+    P, bucket = len(prompts), SLOT_BUCKET if static else 1
+    N, S = P * G, -(-(max(map(len, prompts)) + max_new_tokens) // bucket) * bucket  # rows, cache slots
+    # left-pad to L = S - max_new_tokens: every prompt ends at slot L - 1, so step t writes slot L + t in every row
+    L = S - max_new_tokens
     tokens = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=device)  # (P, L)
     real = torch.tensor([[False] * (L - len(p)) + [True] * len(p) for p in prompts], device=device)
     pos = (real.cumsum(1) - 1).clamp(min=0)  # (P, L) RoPE positions: each prompt starts at 0
@@ -118,17 +220,16 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     # prefill each prompt once, then copy its cache rows to its G samples
     prefill = KVCache(cfg, P, L, device, dtype)
     logits = model(tokens, cache=prefill, input_pos=pos, attn_mask=real, last_only=True)[:, -1]  # (P, V)
-    cache = KVCache(cfg, N, S, device, dtype)
-    cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
-    cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
-    cache.length = L
+    dec = decoder(model, N, S, device, dtype, static, compile, cuda_graph)
+    dec.cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
+    dec.cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
+    dec.cache.length = L  # (static: unused)
     del prefill
-    keys = torch.ones(N, S, dtype=torch.bool, device=device)  # (N, S) which cache slots hold real tokens
-    keys[:, :L] = real.repeat_interleave(G, 0)
+    dec.keys.zero_()[:, :L] = real.repeat_interleave(G, 0)  # (N, S): the prompts' real slots; decode slots follow
     pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1) position of the first new token
+    slot = torch.tensor([L], device=device)  # (1,) the cache slot of the first new token
     logits = logits.repeat_interleave(G, 0)  # (N, V)
 
-    step = torch.compile(model, dynamic=True) if compile else model
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, max_new_tokens, device=device)
@@ -140,7 +241,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
         done |= torch.isin(tok, eos)
         if t == max_new_tokens - 1 or done.all():  # the step's one host sync
             break
-        logits = step(tok.unsqueeze(1), cache=cache, input_pos=pos + t, attn_mask=keys, last_only=True)[:, -1]
+        dec.keys[:, L + t] = True  # from now on every row attends to the slot this token is written to
+        logits = dec(model, tok.unsqueeze(1), pos + t, slot + t)
 
     out, logprobs = out[:, : t + 1], logprobs[:, : t + 1]
     is_eos = torch.isin(out, eos)

@@ -42,6 +42,9 @@ rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/
 back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes
 (launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
 
+LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter and its
+optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see the README.
+
 Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
 the global batch (long solutions weigh more).
 """
@@ -57,7 +60,15 @@ import torch
 from tqdm import tqdm
 
 import model as model_lib
-from checkpoint import check_finite, publish_model, resolve_model_dir, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    export_lora,
+    publish_model,
+    resolve_model_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     JsonlLogger,
     all_reduce_named,
@@ -93,6 +104,15 @@ class SFTConfig:
     data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
     task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
     template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    # LoRA (off by default: every weight trains)
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base "
+                                                       "(0 = off, full fine-tuning)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
+    lora_targets: tuple[str, ...] = field(default=model_lib.LORA_TARGETS,
+                                          metadata={"help": "projections that get adapters (comma list)"})
+    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
+                                                              "choices": ["float32", "bfloat16"]})
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
     micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward on one rank"})
@@ -136,7 +156,7 @@ class SFTConfig:
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch): --resume
 # refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist, ...) may change
 RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed")
+                     "template", "global_batch", "seed", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -216,21 +236,28 @@ def main(argv=None):
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            model = model_lib.load_model(path, device=d.device)
+            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else torch.float32
+            model = model_lib.load_model(path, device=d.device, dtype=dtype)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
         model = model_lib.Transformer(model_lib.preset_config(
             cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
+    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
+        with user_input("--lora_*"):
+            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
     seed_all(cfg.seed, d.rank)
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
     n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
     # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
@@ -262,7 +289,8 @@ def main(argv=None):
     state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
                       tensorboard_dir=out / "tb" if cfg.tensorboard else None, start_step=state["step"])
-    print0(f"SFT: {n_params / 1e6:.2f}M params, {len(examples)} examples ({cfg.task} {cfg.split}), global batch "
+    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} examples "
+           f"({cfg.task} {cfg.split}), global batch "
            f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
            f"dist={cfg.dist if W > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
@@ -333,14 +361,19 @@ def main(argv=None):
             break
     bar.close()
     log.close()
-    if d.is_main:
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+        export_lora(model, tok, out, d)
+    elif d.is_main:
         publish_model(ckpt, out / "model")
     if cfg.stop_pass1 > 0 and history and not reached_bar(history, cfg.stop_pass1, cfg.stop_patience):
         # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong) to the next stage
         print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in {cfg.stop_patience} "
                f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
                "this start learns little: run again with more --steps (it resumes) or another --seed")
-    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; model in {out / 'model'}")
+    local = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]  # FSDP2: own shard
+    opt_bytes = sum(t.numel() * t.element_size() for t in local)
+    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state {opt_bytes / 2**20:.1f} MiB "
+           f"(rank 0); model in {out / 'model'}")
     cleanup_dist()
 
 

@@ -187,3 +187,42 @@ def test_generate_under_ddp_and_fsdp2(tmp_path):
         out = proc.communicate()[0]
     assert proc.returncode == 0, out[-4000:]
     assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
+
+
+def decode_modes(model, eos, temperature):
+    """The same sampling call in each decode mode: the growing-slices forward, the static step, compiled."""
+    run = lambda **mode: generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature,
+                                  generator=torch.Generator().manual_seed(0), **mode)
+    return run(static=False), run(static=True), run(compile=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_and_compiled_steps_equal_the_eager_forward(temperature):
+    model = tiny_model(1)
+    gen = lambda: torch.Generator().manual_seed(0)
+    free = generate(model, PROMPTS, 9, num_samples=3, temperature=temperature, generator=gen()).tokens
+    eos = [free[0, 3].item(), free[7, 1].item()]  # rows stop at different steps
+    outs = decode_modes(model, eos, temperature)
+    eager = outs[0]
+    assert eager.mask.sum(1).min() < eager.tokens.shape[1]  # some rows stopped early, so the masks are exercised
+    for other in outs[1:]:
+        assert torch.equal(other.tokens, eager.tokens) and torch.equal(other.mask, eager.mask)
+        assert (other.logprobs - eager.logprobs).abs().max() <= 1e-5
+    again = generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature, generator=gen(),
+                     compile=True)  # the compiled step, reused: the same result
+    assert torch.equal(again.tokens, eager.tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_equal_eager():
+    model = tiny_model(1).cuda()
+    gen = lambda: torch.Generator("cuda").manual_seed(0)
+    eager = generate(model, PROMPTS, 9, num_samples=3, eos_ids=[3], generator=gen(), static=False)
+    for kw in (dict(cuda_graph=True), dict(cuda_graph=True), dict(cuda_graph=True, compile=True)):  # 2nd: replay
+        out = generate(model, PROMPTS, 9, num_samples=3, eos_ids=[3], generator=gen(), **kw)
+        assert torch.equal(out.tokens, eager.tokens) and (out.logprobs - eager.logprobs).abs().max() <= 1e-4
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="cuda_graph=True needs"):
+        generate(tiny_model(), PROMPTS, 2, cuda_graph=True)

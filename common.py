@@ -18,7 +18,7 @@ import sys
 import traceback
 import types
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -379,6 +379,35 @@ def lr_at(step: int, warmup: int, total: int, peak: float, min_ratio: float = 0.
 
 # -----------------------------------------------------------------------------
 # training-loop helpers
+
+
+def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Split this rank's rows (lengths: each row's real length, host ints) into micro-batches for gradient
+    accumulation: row indices, grouped by length (longest first) so that each micro-batch, padded to its longest
+    row, pads little. A micro-batch holds at most max_rows rows and, if max_tokens > 0, at most max_tokens padded
+    tokens (rows x its longest row); a row longer than max_tokens goes alone (0 = no limit). Inside a micro-batch
+    the rows keep their order. Every rank gets as many micro-batches as the rank that needs the most (a collective:
+    FSDP2's gathers and DDP's reduction must pair up), padded with empty ones."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+    out, cur = [], []
+    for i in order:
+        full_rows = max_rows > 0 and len(cur) == max_rows
+        full_tokens = max_tokens > 0 and (len(cur) + 1) * lengths[cur[0] if cur else i] > max_tokens
+        if cur and (full_rows or full_tokens):
+            out.append(sorted(cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(sorted(cur))
+    n = int(all_reduce_named({"n": len(out)}, {"n": "max"})["n"])
+    return out + [[] for _ in range(n - len(out))]
+
+
+def grad_sync(model, last: bool):
+    """The context of one micro-batch's backward. DDP all-reduces only on the last one (no_sync before it): its
+    gradients are full-size anyway. FSDP2 reduce-scatters after every micro-batch: skipping that
+    (set_requires_gradient_sync(False)) would hold the whole model's unsharded gradients on every rank."""
+    return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()
 
 
 def any_rank(flag: bool, dist: Dist) -> bool:

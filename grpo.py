@@ -32,7 +32,6 @@ import gc
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -45,9 +44,11 @@ from common import (
     all_reduce_named,
     any_rank,
     cleanup_dist,
+    grad_sync,
     init_dist,
     lr_at,
     make_generator,
+    micro_batches,
     parse_config,
     peak_mem_mb,
     print0,
@@ -58,7 +59,16 @@ from common import (
 )
 from data import format_prompt, load_task, parse_knobs
 from eval import evaluate
-from model import LORA_TARGETS, adapters_off, add_lora, load_model, load_tokenizer
+from model import (
+    LORA_TARGETS,
+    adapters_off,
+    add_lora,
+    format_memory,
+    load_config,
+    load_model,
+    load_tokenizer,
+    memory_estimate,
+)
 from sampler import generate
 
 
@@ -116,10 +126,13 @@ class GRPOConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this"})
-    train_micro_batch: int = field(default=64, metadata={"help": "rows per forward/backward"})
+    train_micro_batch: int = field(default=64, metadata={"help": "rows per forward/backward, at most (0 = no limit)"})
     # memory
+    micro_batch_tokens: int = field(default=0, metadata={
+        "help": "padded tokens per forward/backward, at most (rows x longest row; rows grouped by length; 0 = off)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
+    dry_run: bool = field(default=False, metadata={"help": "print the memory estimate per rank and exit"})
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
@@ -333,13 +346,15 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     the same number of micro-batches (collectives must match), a rank without rows one zero-weight row.
     Returns UPDATE_STATS's sums and the last pass's grad_norm."""
     model.train()
-    device, mb = lmask.device, cfg.train_micro_batch
+    device = lmask.device
     useful = (w.sum(1) > 0) & (adv[:, 0] != 0)  # (N,)
     if w_kl is not None:
         useful |= w_kl.sum(1) > 0
     rows = useful.nonzero()[:, 0].tolist()
-    n_micro = int(max(all_reduce_named({"n": math.ceil(len(rows) / mb)}, {"n": "max"})["n"], 1))
-    micro = [rows[k * mb : (k + 1) * mb] for k in range(n_micro)]
+    # length-grouped micro-batches within --train_micro_batch rows / --micro_batch_tokens, as many on every rank
+    groups = micro_batches([seq_len[i] for i in rows], cfg.train_micro_batch, cfg.micro_batch_tokens) or [[]]
+    micro = [[rows[j] for j in g] for g in groups]
+    n_micro = len(micro)
     # each micro-batch's row indices on the device, and its columns cut to its longest row (short rows cost less)
     ix = [torch.tensor(idx or [0], device=device) for idx in micro]
     cols = [max(seq_len[i] for i in idx or [0]) for idx in micro]
@@ -355,7 +370,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for update in range(cfg.mu):
         for k, idx in enumerate(micro):
-            with _no_sync(model, k == n_micro - 1):
+            with grad_sync(model, k == n_micro - 1):
                 logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
@@ -415,6 +430,25 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
     }  # fmt: skip
 
 
+EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
+
+
+def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str) -> dict:
+    """memory_estimate's arguments for this run, at its worst case: prompts of prompt_len tokens (the longest) and
+    every completion --max_new_tokens long. The in-loop eval samples batches of 32 prompts, once each."""
+    gen_prompts = min(cfg.gen_batch, cfg.prompts_per_step // world)
+    eval_prompts = EVAL_BATCH if cfg.eval_every else 0
+    nbytes = 2 if cfg.dtype == "bfloat16" else 4
+    bf16_compute = cfg.dist == "fsdp" and world > 1 and device_type == "cuda"  # common.wrap_model's policy
+    return dict(rows=cfg.prompts_per_step // world * cfg.group_size, seq=prompt_len + cfg.max_new_tokens - 1,
+                max_rows=cfg.train_micro_batch, max_tokens=cfg.micro_batch_tokens,
+                gen_rows=max(gen_prompts * cfg.group_size, eval_prompts), gen_prompts=max(gen_prompts, eval_prompts),
+                prompt_len=prompt_len, new_tokens=cfg.max_new_tokens, param_bytes=nbytes,
+                compute_bytes=2 if bf16_compute else nbytes, world_size=world, dist=cfg.dist if world > 1 else "none",
+                activation_checkpointing=cfg.activation_checkpointing, reference=cfg.beta > 0,
+                cpu=device_type == "cpu")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -434,22 +468,45 @@ def main(argv=None):
     if not 0 <= cfg.tis_cap < math.inf:
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+    if min(cfg.train_micro_batch, cfg.micro_batch_tokens) < 0:
+        bad = "--train_micro_batch" if cfg.train_micro_batch < 0 else "--micro_batch_tokens"
+        raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
-    # --- model, reference, tokenizer ---------------------------------------------------------------------------
-    with user_input("--init"):  # a missing dir, no weights, a truncated safetensors file, no tokenizer, ...
+    # --- tokenizer, model config, data: no weights are read before the memory estimate ---------------------------
+    with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
+        model_cfg = load_config(cfg.init)
+        tok = load_tokenizer(cfg.init)
+    max_pos = model_cfg.max_position_embeddings
+    eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model_cfg.eos_token_id)] if i is not None})
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
+        knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
+        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+    prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
+    prompt_ids = [tok.encode(t) for t in prompt_text]  # tokenized once
+    if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
+        raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={max_pos}: lower --max_new_tokens")
+    order = _permutation_stream(len(rows), cfg.seed)  # global prompt order: epoch after epoch, seeded
+    # the memory this run needs, for the longest prompt the sampler will see (training or in-loop eval)
+    evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows] if cfg.eval_every else []
+    longest = max(map(len, prompt_ids + [tok.encode(t) for t in evals]))
+    print0(format_memory(memory_estimate(model_cfg, **memory_shapes(cfg, W, longest, d.device.type))))
+    if cfg.dry_run:
+        return cleanup_dist()
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+
+    # --- model, reference --------------------------------------------------------------------------------------
+    with user_input("--init"):  # no weights, a truncated safetensors file, weights that do not fit config.json
         base_dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else dtype  # read the base in its dtype
         model = load_model(cfg.init, device=d.device, dtype=base_dtype)
-        tok = load_tokenizer(cfg.init)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, seed=cfg.seed,
                      base=cfg.init)
-    max_pos = model.config.max_position_embeddings
-    eos_ids = sorted({i for i in [tok.eos_token_id, *_as_list(model.config.eos_token_id)] if i is not None})
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     ref = None
     if cfg.beta > 0 and not cfg.lora_rank:  # frozen copy of the starting policy; with beta = 0 it is never built
         ref = load_model(cfg.init, device=d.device, dtype=dtype).requires_grad_(False).eval()
@@ -461,17 +518,6 @@ def main(argv=None):
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
     opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
 
-    # --- data: prompts are tokenized once ------------------------------------------------------------------------
-    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
-        knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
-        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
-    prompt_ids = [tok.encode(t) for t in prompt_text]
-    if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
-        raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings={max_pos}: lower --max_new_tokens")
-    order = _permutation_stream(len(rows), cfg.seed)  # global prompt order: epoch after epoch, seeded
 
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; write config.json
     state = start_or_resume(resume_from, cfg, model, opt, d)
@@ -588,19 +634,6 @@ def _permutation_stream(n: int, seed: int):
         return cache[epoch][i % n]
 
     return at
-
-
-def _no_sync(model, last: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch (DDP no_sync / FSDP2 requires_gradient_sync)."""
-    if last:
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(True)
-        return nullcontext()
-    if hasattr(model, "no_sync"):
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
-    return nullcontext()
 
 
 if __name__ == "__main__":

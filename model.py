@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 # and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
 LOGITS_CHUNK = 2**24
 MIN_CHUNK_TOKENS = 64
+RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, measured on CPU
 
 
 @dataclass(kw_only=True)
@@ -415,6 +416,111 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Memory estimate: what one rank holds at its peak, from the shapes alone (printed at the start of sft/grpo runs)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    C, HD, KD = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = C * HD + 2 * C * KD + HD * C + (HD + 2 * KD) * cfg.attention_bias
+    block = attn + 3 * C * cfg.intermediate_size + 2 * C  # + SwiGLU + two norms
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * C
+    return cfg.vocab_size * C + cfg.num_hidden_layers * block + C + head
+
+
+def block_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """What autograd keeps for backward in one Block over `tokens` (row, position) pairs: per token the block
+    input, both norms' inputs and outputs (the norm statistics in fp32), q/k/v, attention's output twice (as SDPA
+    returns it and reshaped for o_proj) and its logsumexp, and SwiGLU's four intermediate-size tensors (gate, silu,
+    up, product). tests/test_memory.py checks it against autograd's saved-tensor hooks."""
+    C, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    HD, KD = H * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = (4 * C + 3 * HD + HD + 2 * KD + 4 * I) * dtype_bytes + (H + 2) * 4
+    per_token += 2 * C * (4 - dtype_bytes)  # the norms normalise an fp32 copy of their input
+    return tokens * per_token
+
+
+def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0, max_tokens: int = 0,
+                    gen_rows: int = 0, gen_prompts: int = 0, prompt_len: int = 0, new_tokens: int = 0,
+                    param_bytes: int = 4, compute_bytes: int = 4, world_size: int = 1, dist: str = "none",
+                    activation_checkpointing: bool = False, reference: bool = False, cpu: bool = True,
+                    trainable: int | None = None) -> dict:
+    """Bytes one rank holds at its peak, by component: the persistent state plus the largest of three phases
+    (generation, the forward/backward of the largest micro-batch, the optimizer step).
+
+    rows: training rows per rank and step, each padded to seq tokens (the worst case), in micro-batches of at
+    most max_rows rows and max_tokens padded tokens (0 = no limit; common.micro_batches). gen_rows: rows sampled
+    at once, from gen_prompts prompts of prompt_len tokens (each prefilled once), new_tokens each.
+    param_bytes: the dtype of weights, gradients and AdamW moments; compute_bytes: of activations and KV cache.
+    dist "fsdp" shards the state over world_size ranks; "ddp" keeps replicas plus its gradient buckets.
+    trainable: parameters with gradients and AdamW state (None: all; LoRA would pass its adapters' count).
+    Live tensors only: allocator caching, the CUDA context and communication buffers come on top; on CPU
+    `runtime` stands for the interpreter, torch, the tokenizer and the data."""
+    P = param_count(cfg)
+    T = P if trainable is None else trainable
+    L, C, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    sharded = dist == "fsdp" and world_size > 1
+    shard = world_size if sharded else 1
+    outside = V * C * (2 - cfg.tie_word_embeddings) + C  # embeddings, head, final norm: FSDP2's root
+    block = (P - outside) // L  # parameters per block
+    est = {
+        "weights": P * param_bytes / shard,
+        "gradients": T * param_bytes / shard,
+        "optimizer": 2 * T * param_bytes / shard,  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
+        "reference": P * param_bytes / shard if reference else 0,  # GRPO's frozen KL reference
+        "ddp_buckets": T * param_bytes if dist == "ddp" and world_size > 1 else 0,
+    }
+    # FSDP2 gathers a block at a time in training (itself and the next, prefetched) and keeps the root's own
+    # parameters gathered from forward to backward; the sampler gathers the whole model
+    gathered_train = (2 * block + outside) * compute_bytes if sharded else 0
+    gathered_gen = P * compute_bytes if sharded else 0
+
+    # training, the largest micro-batch of n tokens. Checkpointed, each block keeps only its input, and backward
+    # recomputes one block at a time; either way backward adds about one block's worth of gradients in flight
+    micro = min(rows, max_rows or rows, max(max_tokens // seq, 1) if max_tokens else rows)
+    n = micro * seq
+    one_block = block_activation_bytes(cfg, n, compute_bytes)
+    head_input = n * 2 * C * 4 + n * C * compute_bytes  # the final norm's fp32 input and its output
+    acts = {False: (L + 1) * one_block + head_input, True: L * n * C * compute_bytes + 2 * one_block + head_input}
+    est["activations"] = acts[activation_checkpointing]
+    # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient
+    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + V * C * param_bytes
+    # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
+    # second on, all gradients exist alongside the activations
+    grads_live = est["gradients"] if rows > micro else V * C * param_bytes / shard
+    train = est["activations"] + est["logits_chunk"] + grads_live + gathered_train
+
+    # generation: the KV cache (each prompt's prefill cache, copied to its samples) and one decode step's logits
+    kv_per_slot = 2 * L * cfg.num_key_value_heads * cfg.head_dim * compute_bytes
+    est["kv_cache"] = kv_per_slot * (gen_rows * (prompt_len + new_tokens) + gen_prompts * prompt_len)
+    prefill = block_activation_bytes(cfg, gen_prompts * prompt_len, compute_bytes) // 2  # no grad: one layer
+    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + gathered_gen
+
+    # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
+    step = est["gradients"] + (max(V * C, block) if cpu else T) * param_bytes / shard
+    est["fsdp_gathered"] = max(gathered_train, gathered_gen)
+    est["runtime"] = RUNTIME_CPU_BYTES if cpu else 0
+    persistent = sum(est[k] for k in ("weights", "optimizer", "reference", "ddp_buckets", "runtime"))
+    phases = {"generation": gen, "training": train, "optimizer step": step}
+    est["phase"] = max(phases, key=phases.get)
+    est["peak"] = persistent + phases[est["phase"]]
+    est["activations_other"] = acts[not activation_checkpointing]  # the other --activation_checkpointing setting
+    est["activation_checkpointing"] = activation_checkpointing
+    return est
+
+
+def format_memory(est: dict) -> str:
+    """The estimate in one line (GB), printed at the start of every sft/grpo run."""
+    names = {"weights": "weights", "gradients": "gradients", "optimizer": "AdamW", "reference": "reference",
+             "ddp_buckets": "DDP buckets", "fsdp_gathered": "FSDP gathered", "activations": "activations",
+             "logits_chunk": "logits chunk", "kv_cache": "KV cache", "runtime": "runtime"}
+    parts = [f"{label} {est[k] / 1e9:.2f}" for k, label in names.items() if est[k] > 0]
+    other = "without" if est["activation_checkpointing"] else "with"
+    return (f"memory estimate per rank: {est['peak'] / 1e9:.2f} GB at its peak ({est['phase']}); GB: "
+            + ", ".join(parts) + f" (activations {est['activations_other'] / 1e9:.2f} {other} "
+            "--activation_checkpointing)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Hugging Face directories: config.json + model.safetensors (or shards + model.safetensors.index.json)
 
 
@@ -435,16 +541,22 @@ def _read_state(path: Path) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+def load_config(path) -> ModelConfig:
+    """An HF model directory's config.json (no weights read)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model directory (want an HF dir: config.json + model.safetensors)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'}: not found; is {path} a Hugging Face model directory?")
     try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
+
+
+def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+    path = Path(path)
+    cfg = load_config(path)
     state = _read_state(path)
     if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]  # HF omits the tied copy

@@ -11,10 +11,11 @@ One example is [prompt tokens] + [target tokens] + [EOS], where the prompt is da
 the response, e.g. with "<think>") and the target is data.sft_target(row) ("reasoning</think> <answer>N</answer>").
 Labels are -100 on the prompt and on padding, so only the completion is learned; batches are right-padded.
 
-Batching: global batch = micro_batch x grad_accum x world_size; you set --global_batch and --micro_batch and the
-accumulation follows. Step s trains on items [s*G, (s+1)*G) of a seeded stream of epoch permutations, rank r on its
-contiguous share, and the loss is (sum of token losses) / (target tokens in the whole global batch); so 1 process
-and N processes compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
+Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of a seeded stream
+of epoch permutations, rank r on its contiguous share, which it splits into micro-batches of similar lengths (at
+most --micro_batch rows and --micro_batch_tokens padded tokens; common.micro_batches) for gradient accumulation. The
+loss is (sum of token losses) / (target tokens in the whole global batch), so 1 process and N processes, and any
+micro-batch split, compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
 
 Stopping: --steps is an upper bound (and the end of the cosine schedule, if --min_lr_ratio < 1); --max_minutes m
 stops after m minutes of training (evals excluded; the same measure as grpo.py's, so "continue SFT for as long as
@@ -45,14 +46,13 @@ back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead wo
 LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter and its
 optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see the README.
 
-Simplifications: no sequence packing (each micro-batch pads to its longest row); the loss is a plain token mean over
-the global batch (long solutions weigh more).
+Simplifications: no sequence packing (each micro-batch pads to its longest row; length grouping keeps that small);
+the loss is a plain token mean over the global batch (long solutions weigh more).
 """
 
 import gc
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,14 +74,15 @@ from common import (
     all_reduce_named,
     any_rank,
     cleanup_dist,
+    grad_sync,
     init_dist,
     lr_at,
+    micro_batches,
     parse_config,
     peak_mem_mb,
     print0,
     seed_all,
     stays_stopped,
-    unwrap_model,
     user_input,
     wrap_model,
 )
@@ -115,7 +116,7 @@ class SFTConfig:
                                                               "choices": ["float32", "bfloat16"]})
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
-    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward on one rank"})
+    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward, at most (0 = no limit)"})
     steps: int = field(default=8000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time, eval "
                                                              "excluded (0 = off)"})
@@ -129,8 +130,11 @@ class SFTConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
     # memory
+    micro_batch_tokens: int = field(default=0, metadata={
+        "help": "padded tokens per forward/backward, at most (rows x longest row; rows grouped by length; 0 = off)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
+    dry_run: bool = field(default=False, metadata={"help": "print the memory estimate per rank and exit"})
     # held-out evaluation and stopping
     eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
     eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
@@ -192,12 +196,19 @@ def reached_bar(history: list[float], target: float, patience: int) -> bool:
     return target > 0 and len(recent) == patience and min(recent) >= target
 
 
-def no_sync(model, last: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch (DDP no_sync / FSDP2 requires_gradient_sync)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last)
-        return nullcontext()
-    return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()
+EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
+
+
+def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, device_type: str) -> dict:
+    """memory_estimate's arguments for this run, at its worst case: every row as long as the longest (seq tokens);
+    the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once each, --max_new_tokens long."""
+    eval_prompts = EVAL_BATCH if cfg.eval_every else 0
+    bf16_compute = cfg.dist == "fsdp" and world > 1 and device_type == "cuda"  # common.wrap_model's policy
+    return dict(rows=cfg.global_batch // world, seq=seq, max_rows=cfg.micro_batch, max_tokens=cfg.micro_batch_tokens,
+                gen_rows=eval_prompts, gen_prompts=eval_prompts, prompt_len=eval_prompt_len,
+                new_tokens=cfg.max_new_tokens, compute_bytes=2 if bf16_compute else 4, world_size=world,
+                dist=cfg.dist if world > 1 else "none", activation_checkpointing=cfg.activation_checkpointing,
+                cpu=device_type == "cpu")
 
 
 # -----------------------------------------------------------------------------
@@ -211,15 +222,13 @@ def main(argv=None):
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
-    if per_rank % cfg.micro_batch:
-        raise SystemExit(f"error: --global_batch {cfg.global_batch} / world size {W} = {per_rank} sequences per rank, "
-                         f"not divisible by --micro_batch {cfg.micro_batch}")
-    accum = per_rank // cfg.micro_batch
+    if min(cfg.micro_batch, cfg.micro_batch_tokens) < 0:
+        bad = "--micro_batch" if cfg.micro_batch < 0 else "--micro_batch_tokens"
+        raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
     if not 0 < cfg.lr < math.inf:
         raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
     try:
@@ -229,36 +238,21 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"error: data: {e}") from None
 
-    # --- model and tokenizer: an HF dir, or a fresh preset with the char tokenizer ---------------------------------
-    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer (no weights read yet) ---
     if cfg.init is not None:
         path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
-        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else torch.float32
-            model = model_lib.load_model(path, device=d.device, dtype=dtype)
+        with user_input("--init"):  # a bad config.json, no tokenizer, ...
+            model_cfg = model_lib.load_config(path)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
-        model = model_lib.Transformer(model_lib.preset_config(
-            cfg.model, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, **parse_knobs(cfg.model_overrides))).to(d.device)  # fmt: skip
-    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
-        with user_input("--lora_*"):
-            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
-                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
-    seed_all(cfg.seed, d.rank)
+        model_cfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                            **parse_knobs(cfg.model_overrides))  # fmt: skip
     eos_id = tok.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
-    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
-    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
-    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
     examples = []
@@ -267,15 +261,43 @@ def main(argv=None):
         target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
         examples.append(build_example(tok.encode(prompt), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
-    max_len = unwrap_model(model).config.max_position_embeddings
-    if max(len(ids) for ids, _ in examples) > max_len:
-        raise SystemExit(f"error: the longest example has {max(len(x) for x, _ in examples)} tokens > the model's "
-                         f"max_position_embeddings {max_len}")
+    max_len, longest = model_cfg.max_position_embeddings, max(len(ids) for ids, _ in examples)
+    if longest > max_len:
+        raise SystemExit(f"error: the longest example has {longest} tokens > the model's max_position_embeddings "
+                         f"{max_len}")
     longest_eval = max(len(tok.encode(format_prompt(r["question"], cfg.template, tok)[0])) for r in eval_rows)
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + --max_new_tokens="
                          f"{cfg.max_new_tokens} exceeds the model's max_position_embeddings={max_len}: lower "
                          "--max_new_tokens")
+    # the memory this run needs; a training row is the longest example shifted by one
+    est = model_lib.memory_estimate(model_cfg, **memory_shapes(cfg, W, longest - 1, longest_eval, d.device.type))
+    print0(model_lib.format_memory(est))
+    if cfg.dry_run:
+        return cleanup_dist()
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+
+    # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------------------------
+    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    if cfg.init is not None:
+        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
+            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else torch.float32
+            model = model_lib.load_model(path, device=d.device, dtype=dtype)
+    else:
+        model = model_lib.Transformer(model_cfg).to(d.device)
+    if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
+        with user_input("--lora_*"):
+            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
+    seed_all(cfg.seed, d.rank)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d)
+    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
 
     def item(i: int) -> int:
@@ -289,9 +311,10 @@ def main(argv=None):
     state = start_or_resume(resume_from, cfg, model, opt, d)
     log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
                       tensorboard_dir=out / "tb" if cfg.tensorboard else None, start_step=state["step"])
+    limits = " and ".join([f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
+                          + [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)) or "no limit"
     print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} examples "
-           f"({cfg.task} {cfg.split}), global batch "
-           f"{cfg.global_batch} = {cfg.micro_batch} micro x {accum} accum x {W} rank(s), "
+           f"({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {W} rank(s) in micro-batches of {limits}, "
            f"dist={cfg.dist if W > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
 
@@ -311,10 +334,12 @@ def main(argv=None):
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         model.train()
         losses, n_in = [], 0  # per micro-batch summed token losses (on the device), input tokens (host count)
-        for k in range(accum):
-            micro = [examples[i] for i in mine[k * cfg.micro_batch : (k + 1) * cfg.micro_batch]]
-            inputs, targets = collate(micro, pad_id, d.device)  # (b, T) each, on the device
-            with no_sync(model, k == accum - 1):
+        # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row (FSDP2 gathers)
+        groups = micro_batches([len(examples[i][0]) - 1 for i in mine], cfg.micro_batch, cfg.micro_batch_tokens)
+        for k, group in enumerate(groups):
+            micro = [examples[mine[j]] for j in group]
+            inputs, targets = collate(micro or [([pad_id, pad_id], [-100, -100])], pad_id, d.device)  # (b, T) each
+            with grad_sync(model, k == len(groups) - 1):
                 loss = sft_loss(model, inputs, targets)
                 (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
             losses.append(loss.detach())

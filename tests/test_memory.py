@@ -8,9 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import common
+import grpo
 import model as M
+import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -32,12 +38,14 @@ def _weighted_logp(model, x, y):
     return (logp * w).sum()
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes autograd keeps for backward while fn runs (distinct storages), as its saved-tensor hooks see them."""
+def _saved_bytes(fn, exclude=frozenset()):
+    """Bytes autograd keeps for backward while fn runs (distinct storages, those in `exclude` aside), as its
+    saved-tensor hooks see them; and fn's result."""
     seen = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in exclude:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -105,3 +113,150 @@ def test_logit_chunks_are_long_at_a_real_vocab():
     with torch.no_grad():  # the chunks across row boundaries still give each pair its own log-prob
         want = m(x[3:4]).log_softmax(-1).gather(-1, x[3:4, :, None])[..., 0]
     assert (logp[3:4] - want).abs().max() <= 1e-5
+
+
+# -----------------------------------------------------------------------------
+# micro-batches by a token budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 60), max_size=30), st.integers(0, 6), st.integers(0, 150))
+def test_micro_batches_partition_within_budgets(lengths, max_rows, max_tokens):
+    groups = common.micro_batches(lengths, max_rows, max_tokens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row exactly once
+    longest = [max(lengths[i] for i in g) for g in groups]
+    assert longest == sorted(longest, reverse=True)  # grouped by length, longest first
+    for g in groups:
+        assert g == sorted(g)  # a micro-batch keeps the rows' order
+        assert max_rows == 0 or len(g) <= max_rows
+        assert max_tokens == 0 or len(g) == 1 or len(g) * max(lengths[i] for i in g) <= max_tokens
+
+
+def test_micro_batches_group_similar_lengths():
+    # two long and two short rows, interleaved: paired by length, not by position (padding 2 tokens, not 88)
+    assert common.micro_batches([5, 50, 6, 49], max_rows=2) == [[1, 3], [0, 2]]
+    assert common.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=100) == [[1, 3], [0, 2]]
+    assert common.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=0) == [[0, 1, 2, 3]]
+    assert common.micro_batches([500, 6], max_rows=8, max_tokens=100) == [[0], [1]]  # a long row goes alone
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_sft_token_budget_same_loss_and_grads_as_one_batch():
+    """SFT examples of mixed lengths, accumulated over token-budget micro-batches (sft.py's loop), against one
+    unsplit forward/backward whose loss is written out from full log-softmax logits."""
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for n_prompt, n_target in [(3, 9), (12, 2), (5, 5), (2, 20), (7, 1), (9, 8)]:
+        ids = torch.randint(3, 61, (n_prompt + n_target,), generator=gen).tolist()
+        examples.append(sft.build_example(ids[:n_prompt], ids[n_prompt:], eos_id=2))
+    model = _model()
+    groups = common.micro_batches([len(x) - 1 for x, _ in examples], max_rows=0, max_tokens=30)
+    assert len(groups) >= 3
+    total = 0.0
+    for g in groups:
+        inputs, targets = sft.collate([examples[i] for i in g], pad_id=0)
+        loss = sft.sft_loss(model, inputs, targets)
+        loss.backward()
+        total += loss.item()
+    split = _grads(model)
+    model.zero_grad()
+    inputs, targets = sft.collate(examples, pad_id=0)  # (6, 22): one batch, padded to the longest
+    logp = model(inputs).log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    want = -(logp * (targets != -100)).sum()
+    want.backward()
+    assert abs(total - want.item()) <= 1e-5 * abs(want.item())
+    for a, b in zip(split, _grads(model)):
+        assert (a - b).abs().max() <= 1e-5
+
+
+class _RecordingOptimizer:
+    """Stands in for AdamW in grpo.update: keeps the gradients it was asked to apply."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = _grads(self.model)
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path):
+    """grpo.update over token-budget micro-batches (rows of mixed prompt and completion lengths) gives the gradient
+    of one unsplit batch: with one update the surrogate's gradient is -A * grad log p per counted token, written
+    out here from full log-softmax logits."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 61, (n,), generator=gen).tolist() for n in (4, 11, 6, 3, 9, 5)]
+    n_comp = [7, 2, 12, 5, 1, 9]
+    Tc = max(n_comp)
+    comp = torch.randint(3, 61, (6, Tc), generator=gen)
+    mask = torch.arange(Tc)[None, :] < torch.tensor(n_comp)[:, None]  # (6, Tc)
+    adv = torch.tensor([[0.5], [-1.0], [0.25], [0.0], [1.5], [-0.75]])  # row 3: advantage 0, skipped
+    w = mask.float() / mask.sum()  # dapo-like token weights
+    batch = grpo.training_batch(prompts, comp, n_comp, pad_id=0)
+    seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]
+    grads = []
+    for rows, tokens in [(0, 0), (0, 25), (2, 18)]:  # one batch; token budgets (and a row cap) splitting it
+        cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, grad_clip=1e9, out_dir=str(tmp_path))
+        model = _model()
+        opt = _RecordingOptimizer(model)
+        grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(6, Tc), cfg, None, 1)
+        grads.append(opt.grads)
+    model = _model()
+    inputs, targets, pos = batch
+    logp = model(inputs).log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0].gather(1, pos)
+    (-(w * adv * logp).sum()).backward()
+    for got in grads:
+        for a, b in zip(got, _grads(model)):
+            assert (a - b).abs().max() <= 1e-6
+
+
+# -----------------------------------------------------------------------------
+# the memory estimate
+
+
+MHA = dict(num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=160)
+
+
+@pytest.mark.parametrize("kw", [dict(num_attention_heads=4, num_key_value_heads=2), MHA])
+def test_estimate_counts_what_autograd_saves(kw):
+    """memory_estimate's parts against the real thing: the parameter count of the built model, and the bytes autograd
+    keeps for backward in one block (fp32; GQA and MHA): a 3-block model's saved bytes minus a 2-block one's."""
+    cfg = M.ModelConfig(**{**CFG, **kw})
+    model = _model(**kw)
+    assert M.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    three, _ = _saved_bytes(lambda: model(x), exclude=params)
+    model.layers = model.layers[:2]
+    two, _ = _saved_bytes(lambda: model(x), exclude=params)
+    want = M.block_activation_bytes(cfg, 3 * 40, 4)
+    assert abs((three - two) - want) <= 0.02 * want, (three - two, want)
+
+
+def test_estimate_scales_with_the_flags():
+    cfg = M.ModelConfig(**{**CFG, "vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4864,
+                           "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                           "tie_word_embeddings": True})
+    base = dict(rows=64, seq=700, gen_rows=128, gen_prompts=8, prompt_len=200, new_tokens=500, cpu=False)
+    one = M.memory_estimate(cfg, **base)
+    assert one["weights"] == 4 * M.param_count(cfg) and one["optimizer"] == 2 * one["weights"]
+    ckpt = M.memory_estimate(cfg, **base, activation_checkpointing=True)
+    assert ckpt["activations"] < one["activations"] / 5 and ckpt["activations_other"] == one["activations"]
+    budget = M.memory_estimate(cfg, **base, max_tokens=8 * 700)  # 8 rows per micro-batch instead of 64
+    assert budget["activations"] < one["activations"] / 6
+    fsdp = M.memory_estimate(cfg, **base, world_size=8, dist="fsdp")
+    assert fsdp["optimizer"] == one["optimizer"] / 8 and fsdp["peak"] < one["peak"]
+    assert one["kv_cache"] == 2 * 24 * 2 * 64 * 4 * (128 * 700 + 8 * 200)  # layers x (k, v) x heads x dim x fp32
+
+
+def test_dry_run_prints_the_estimate_and_writes_nothing(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    grpo.main(["--init", str(tiny_dir), "--dry_run", "--out_dir", str(out)])
+    sft.main(["--dry_run", "--out_dir", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.count("memory estimate per rank:") == 2 and not out.exists()

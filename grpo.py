@@ -340,8 +340,7 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
 def completion_logprobs(model, inputs, targets, pos, temperature):
     """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached). The model computes
     them chunk by chunk, so full (N, L, vocab) fp32 logits never exist."""
-    logp, ent = model(inputs, targets=targets, temperature=temperature)  # (N, L) each
-    return logp.gather(1, pos), ent.gather(1, pos)
+    return model(inputs, targets=targets, temperature=temperature, target_pos=pos)  # the lm_head at pos only
 
 
 # what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy, logprob_gap), over

@@ -430,11 +430,12 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
-                last_only=False):
+                last_only=False, target_pos=None):
         """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
         number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
         positions, or over cache slots when a cache is passed; combined with causal attention.
-        targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks.
+        targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks;
+        with target_pos (B, Tp) long, only at those positions -> (B, Tp) each (the lm_head runs on them alone).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -466,6 +467,10 @@ class Transformer(nn.Module):
         # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
         # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
         n = logits_chunk_tokens(self.config.vocab_size)
+        if target_pos is not None:  # only the positions whose log-probs are read: the lm_head runs on those alone
+            x = x.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, Tp, C)
+            targets = targets.gather(1, target_pos)  # (B, Tp)
+            T = target_pos.shape[1]
         h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
         out = [checkpoint(token_logp, hc, tc, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
                for hc, tc in zip(h.split(n), t.split(n))]

@@ -122,7 +122,7 @@ class SFTConfig:
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
     micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward, at most (0 = no limit)"})
-    steps: int = field(default=6000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
+    steps: int = field(default=8000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time, eval "
                                                              "excluded (0 = off)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})

@@ -10,6 +10,9 @@ a checkpoint's file names and state keys.
     publish_model(find_latest(cfg.out_dir), out / "model")  # rank 0: a plain HF model dir
 
 One run directory:
+    run/minigrpo_run.json    the marker: "this is a run of STAGE" (written when the run is created)
+    run/.lock_node{k}        node k's lock while a run holds the directory (fcntl.flock; the OS drops it when the
+                             process dies, so a crashed run never blocks the next)
     run/config.json          resolved config of the run
     run/metrics.jsonl        one JSON object per step (samples.jsonl: a few completions per step, grpo.py)
     run/step_000200/         a complete checkpoint:
@@ -31,15 +34,24 @@ Atomic: everything is written into run/.tmp_step_N/, fsynced, renamed to run/ste
 a crash at any instant leaves the previous checkpoint the newest complete one. Several nodes need the run directory
 on a shared filesystem (each rank writes its own files into it). DCP does not promise to read checkpoints written
 by another torch version: resume with the torch that wrote them (the HF weights load anywhere).
+
+Safe: a stage only ever deletes or rewrites a directory that is one of its own runs (check_out_dir: the marker, or
+a run from before the marker existed, recognised by its config.json holding a stage's resolved flags), never the
+--init model; every check runs before anything is written, and the writes happen under the lock (start_or_resume).
 """
 
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import pickle
 import random
+import re
 import shutil
+import socket
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -55,13 +67,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import model as model_lib
-from common import Dist, barrier, is_dist, print0, save_json, unwrap_model
+from common import (
+    Dist,
+    all_gather_list,
+    barrier,
+    check_packages,
+    is_dist,
+    print0,
+    save_json,
+    unwrap_model,
+    user_input,
+)
 
 # the names a checkpoint dir holds besides the HF model files
 TRAIN_STATE = "train_state"  # DCP dir: {"model": weights, "optimizer": AdamW moments and step counts}
 PROGRESS = "progress.json"  # step, world_size + the script's own progress (data position, clock, ...)
 RUN_CONFIG = "run_config.json"
 RNG = "rng_rank{}.pt"
+MARKER = "minigrpo_run.json"  # in a run dir: {"stage": "sft" | "grpo" | "eval", "created": ..., "by": ...}
+STEP_NAME = re.compile(r"step_\d{6,}")  # what `latest` may hold: a checkpoint's name in the same dir
 TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not part of the HF model dir
 
 # DCP warns on every save/load in a plain `python script.py` run that it assumes one process: it is right
@@ -73,15 +97,48 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def find_latest(run_dir) -> Path | None:
-    """Newest complete checkpoint of a run dir: the one `latest` names, else the highest complete step_* dir."""
+    """Newest complete checkpoint of a run dir: the one `latest` names, else the highest complete step_* dir. A
+    checkpoint whose re-save was cut between its two renames counts as its .old_step_* copy (start_or_resume renames
+    it back). Raises ValueError for a `latest` that is not a checkpoint name of this dir (e.g. "../x")."""
     run_dir = Path(run_dir)
-    pointer = run_dir / "latest"
-    if pointer.is_file():
-        ckpt = run_dir / pointer.read_text().strip()
-        if is_checkpoint(ckpt):
+    name = _read_latest(run_dir)
+    if name is not None:
+        ckpt = _complete_copy(run_dir, name)
+        if ckpt is not None:
             return ckpt
-    done = [d for d in sorted(run_dir.glob("step_*")) if is_checkpoint(d)]
+    names = {d.name for d in run_dir.glob("step_*")} | {d.name[5:] for d in _restorable(run_dir)}
+    done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names)) if c is not None]
     return done[-1] if done else None
+
+
+def _read_latest(run_dir: Path) -> str | None:
+    pointer = run_dir / "latest"
+    if not pointer.is_file():
+        return None
+    with open(pointer, "rb") as f:
+        raw = f.read(200)
+    try:
+        name = raw.decode("utf-8").strip() if len(raw) <= 64 else None
+    except UnicodeDecodeError:
+        name = None
+    if name is None or not STEP_NAME.fullmatch(name):  # confined: a plain step_N name, never a path
+        shown = repr(raw[:40]) + ("..." if len(raw) > 40 else "")
+        raise ValueError(f"{pointer} holds {shown}, not a checkpoint name like step_000200: fix it or delete it "
+                         "(the newest complete step_* dir is then used)")
+    return name
+
+
+def _complete_copy(run_dir: Path, name: str) -> Path | None:
+    """run_dir/name if it is a complete checkpoint, else its complete .old_ copy when name itself is missing."""
+    if is_checkpoint(run_dir / name):
+        return run_dir / name
+    old = run_dir / f".old_{name}"
+    return old if not (run_dir / name).exists() and is_checkpoint(old) else None
+
+
+def _restorable(run_dir: Path) -> list[Path]:
+    """Complete .old_step_N copies whose step_N is missing: a re-save of step N cut between its two renames."""
+    return [d for d in sorted(run_dir.glob(".old_step_*")) if is_checkpoint(d) and not (run_dir / d.name[5:]).exists()]
 
 
 def is_checkpoint(path) -> bool:
@@ -92,7 +149,7 @@ def resolve_model_dir(path) -> Path:
     """An HF model dir as given, or a run dir's newest checkpoint (so `--model runs/sft` works)."""
     path = Path(path)
     if not (path / "config.json").is_file() or (path / "latest").is_file():
-        ckpt = find_latest(path)
+        ckpt = find_latest(path) if path.is_dir() else None
         if ckpt is not None:
             return ckpt
     return path
@@ -254,7 +311,7 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
     metadata classes (tensors load with weights_only=True)."""
     ckpt_dir = Path(ckpt_dir)
-    progress = json.loads((ckpt_dir / PROGRESS).read_text())
+    progress = _read_progress(ckpt_dir / PROGRESS)
     state, optim_sd = _train_state(model, optimizer)
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
@@ -265,9 +322,30 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     rank_state = {}
     rng_file = ckpt_dir / RNG.format(dist.rank)
     if rng_file.is_file():
-        rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors whoever wrote it
-        _set_rng_state(rank_state.pop("rng"))
+        try:
+            rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors, whoever wrote it
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:  # garbage, or a pickle of code
+            refused = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))
+            why = f"the weights-only unpickler refused it: {refused.group(1)}" if refused else "not a torch.save file"
+            raise ValueError(f"{rng_file}: unreadable ({why}); was it written by minigrpo?") from None
+        rng = rank_state.pop("rng", None) if isinstance(rank_state, dict) else None
+        if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
+            raise ValueError(f"{rng_file}: no RNG states (python, numpy, torch) in it; not written by minigrpo")
+        _set_rng_state(rng)
     return progress, rank_state
+
+
+def _read_progress(path: Path) -> dict:
+    """progress.json: {"step": int >= 0, "world_size": int >= 1, ...}, or a ValueError naming the file."""
+    try:
+        progress = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    ok = lambda k, low: isinstance(progress.get(k), int) and not isinstance(progress[k], bool) and progress[k] >= low
+    if not isinstance(progress, dict) or not ok("step", 0) or ("world_size" in progress and not ok("world_size", 1)):
+        raise ValueError(f"{path}: expected {{\"step\": N >= 0, \"world_size\": W >= 1, ...}}, got "
+                         f"{json.dumps(progress)[:80]}")
+    return progress
 
 
 # what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths
@@ -318,6 +396,117 @@ def _set_rng_state(state: dict):
         torch.cuda.set_rng_state(state["cuda"])
 
 
+
+# -----------------------------------------------------------------------------
+# the run directory: is it a run (and whose), its lock
+
+
+def run_stage(path) -> str | None:
+    """The stage whose run a directory holds: its marker's, else (a run from before the marker existed) the stage
+    whose resolved flags its config.json holds; None if it is not a run (an HF model dir's config.json has none)."""
+    path = Path(path)
+    for name in (MARKER, "config.json", "summary.json"):
+        try:
+            d = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(d, dict):
+            continue
+        if name == MARKER and isinstance(d.get("stage"), str):
+            return d["stage"]
+        if name == "config.json" and "out_dir" in d and "resume" in d:  # sft.py / grpo.py's flags
+            return "grpo" if "group_size" in d else "sft"
+        if name == "summary.json" and isinstance(d.get("config"), dict) and "model" in d:  # eval.py's output
+            return "eval"
+    return None
+
+
+def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
+    """Read only. Refuse an out_dir a run of `stage` must not write into: an existing non-empty directory that is not
+    such a run (a model dir, another stage's run, anything else), or one that is or holds the --init model."""
+    out = Path(out)
+    if init is not None and Path(init).exists():
+        init_dir = Path(init).resolve()
+        if init_dir == out.resolve() or out.resolve() in init_dir.parents:
+            raise SystemExit(f"error: {what} {out} is or holds the --init model {init}: this run would overwrite or "
+                             f"prune it; pick another {what}")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SystemExit(f"error: {what} {out} is a file, not a directory: pick another {what}")
+    found = run_stage(out)
+    if found == stage or not any(f for f in out.iterdir() if not f.name.startswith(".lock_node")):
+        return
+    what_it_is = f"a run of {found}.py" if found else "not a minigrpo run (no minigrpo_run.json, no run config.json)"
+    raise SystemExit(f"error: {what} {out} exists and is {what_it_is}: {stage}.py writes only into a new or empty "
+                     f"directory or one of its own runs; nothing was changed. Pick another {what}")
+
+
+def mark_run_dir(out, stage: str):
+    """Create the run dir (if needed) and its marker: from now on check_out_dir knows it as a `stage` run."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        save_json(out / MARKER, {"stage": stage, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 "by": f"pid {os.getpid()} on host {socket.gethostname()}"})
+
+
+_HELD: dict[str, int] = {}  # run dir -> the open file descriptor of this process's lock on it
+
+
+def lock_run_dir(out) -> str | None:
+    """Take this node's exclusive lock on the run dir (fcntl.flock on out/.lock_node{k}, k = torchrun's GROUP_RANK):
+    the node's leader calls it. Returns None when held, else the one-line error naming the holder. The OS releases
+    the lock when the process dies, however it dies. Idempotent within a process. (One file per node: on a shared
+    filesystem whose flock is coherent across hosts, NFS or GPFS, the nodes of one run must not contend; a second
+    run is caught by its node 0.)"""
+    out = Path(out)
+    key = str(out.resolve())
+    if key in _HELD:
+        return None
+    path = out / f".lock_node{int(os.environ.get('GROUP_RANK', 0))}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process that is starting"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return (f"error: --out_dir {out} is in use by another run ({holder}; lock {path.name}): wait for it "
+                        "to end, or stop it (a run that dies releases the lock), or pick another --out_dir")
+            print(f"warning: cannot lock {path} ({e}): this filesystem has no flock, so nothing stops a second run "
+                  "on the same --out_dir", file=sys.stderr, flush=True)  # fmt: skip
+            return None
+        if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break  # (else a releasing run unlinked the file between our open and flock: take the new one)
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+    _HELD[key] = fd
+    return None
+
+
+def release_run_dir(out):
+    """Drop this process's lock on the run dir (the end of a run; a dying process drops it anyway)."""
+    fd = _HELD.pop(str(Path(out).resolve()), None)
+    if fd is not None:
+        (Path(out) / f".lock_node{int(os.environ.get('GROUP_RANK', 0))}").unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _take_run_dir(out: Path, dist: Dist):
+    """Every node's leader locks the run dir; if any cannot, every rank stops (global rank 0 says why)."""
+    msg = lock_run_dir(out) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
+    msgs = all_gather_list([msg] if msg else [])
+    if msgs:
+        raise SystemExit(msgs[0] if dist.is_main else 1)
+
+
+def _stage(cfg) -> str:
+    return type(cfg).__name__.removesuffix("Config").lower()  # SFTConfig -> "sft", GRPOConfig -> "grpo"
+
+
 # -----------------------------------------------------------------------------
 # resume: which checkpoint, then load it and ready the run directory
 
@@ -334,7 +523,8 @@ def _same(a, b) -> bool:
 
 
 def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
-    """The checkpoint this run continues from, per cfg.resume; checked before anything is loaded or written.
+    """The checkpoint this run continues from, per cfg.resume; checked, with the out dir (check_out_dir) and the
+    logger packages, before anything is loaded or written.
       auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
       none: None; refuses an out_dir that already holds a run (checkpoints or metrics) unless cfg.overwrite.
       PATH: that checkpoint dir, or the newest checkpoint of that run dir.
@@ -342,6 +532,8 @@ def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
     A checkpoint written by a run whose config differs in a `must_match` field (model, data, batch shape: what
     makes continuing it meaningless) is refused with every difference listed; other changes are printed."""
     out = Path(cfg.out_dir)
+    check_out_dir(out, _stage(cfg), getattr(cfg, "init", None))
+    check_packages(cfg)  # --wandb / --tensorboard: before --overwrite deletes anything
     if cfg.overwrite and cfg.resume not in ("auto", "none"):
         raise SystemExit(f"error: --overwrite starts over in --out_dir {out}; it cannot go with --resume {cfg.resume}")
     if cfg.resume == "none" or cfg.overwrite:
@@ -350,7 +542,8 @@ def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
                              "with --resume auto, or delete it and start over with --overwrite")
         return None
     if cfg.resume == "auto":
-        ckpt = find_latest(out) if out.is_dir() else None
+        with user_input("--out_dir"):  # a `latest` that is not a checkpoint name
+            ckpt = find_latest(out) if out.is_dir() else None
         if ckpt is None:
             if _has_run(out):  # killed before its first checkpoint: nothing to continue from
                 print0(f"{out}: no complete checkpoint to resume from; starting from step 0")
@@ -359,7 +552,8 @@ def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
         path = Path(cfg.resume)
         if not path.is_dir():
             raise SystemExit(f"error: --resume {path}: no such checkpoint or run directory")
-        ckpt = path if is_checkpoint(path) else find_latest(path)
+        with user_input("--resume"):
+            ckpt = path if is_checkpoint(path) else find_latest(path)
         if ckpt is None:
             raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no {PROGRESS}) nor a run "
                              "directory holding one")
@@ -401,32 +595,58 @@ def truncate_jsonl(path, step: int):
 
 def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
                     logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
-    """Load the checkpoint resume_point chose (weights, optimizer, this rank's RNG states) or start fresh, then
-    ready cfg.out_dir (rank 0): delete the old run (--overwrite) and leftovers of interrupted saves, cut the logs back
-    to the resumed step, drop checkpoints newer than it (an abandoned future), write config.json.
+    """Take the run dir's lock (each node's leader), then load the checkpoint resume_point chose (weights, optimizer,
+    this rank's RNG states) or start fresh, then ready cfg.out_dir (rank 0): mark it as a run, delete the old run
+    (--overwrite: only what a run writes) and leftovers of interrupted saves, cut the logs back to the resumed step,
+    drop checkpoints newer than it (an abandoned future), write config.json. A failure before that point (the lock
+    is taken, the checkpoint does not load) leaves the directory as it was. The lock is held until release_run_dir.
     Returns the progress: {"step": 0} when fresh, else what save_checkpoint stored (step, data position, ...)."""
     out = Path(cfg.out_dir)
-    state = {"step": 0}
+    state, created = {"step": 0}, not out.exists()
+    barrier()  # every rank has seen whether out_dir existed
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        _take_run_dir(out, dist)
+        # under the lock, nothing else changes the dir: is it still what resume_point saw? (another run may have
+        # written to it meanwhile); then put back a checkpoint whose re-save was cut between its two renames
+        msg = _changed_since_resume_point(cfg, out, ckpt) if dist.is_main else None
+        if not msg and dist.is_main:
+            for old in _restorable(out):
+                old.rename(out / old.name[5:])
+        msgs = all_gather_list([msg] if msg else [])
+        if msgs:
+            raise SystemExit(msgs[0] if dist.is_main else 1)
+        if ckpt is not None and ckpt.name.startswith(".old_"):
+            ckpt = ckpt.with_name(ckpt.name[5:])
+        if ckpt is not None:
+            try:
+                state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
+            except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
+                    dcp.CheckpointException) as e:  # fmt: skip
+                raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
+    except SystemExit:  # leave the dir as it was: no lock file, and no dir if this run made it
+        release_run_dir(out)
+        only_locks = out.is_dir() and all(f.name.startswith(".lock_node") for f in out.iterdir())
+        if created and only_locks and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if ckpt is not None:
-        try:
-            state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
-        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError,
-                dcp.CheckpointException) as e:  # fmt: skip
-            raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
         saved_world = state.get("world_size", dist.world_size)
         print0(f"resuming from {ckpt} at step {state['step']}"
                + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
                   "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
     if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        doomed = [*out.glob(".tmp_*"), *out.glob(".old_*"), *out.glob(".del_*")]  # interrupted saves / deletes
+        mark_run_dir(out, _stage(cfg))
+        doomed = [d for pattern in (".tmp_step_*", ".old_step_*", ".del_step_*", ".tmp_model")
+                  for d in out.glob(pattern)]  # interrupted saves / deletes / publishes
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*out.glob("step_*"), out / "model", out / "adapter", out / "tb", out / "wandb"]
+            doomed += [*_step_dirs(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # what a run writes
             for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
-        newer = [d for d in out.glob("step_*") if d.name > f"step_{state['step']:06d}" and d not in doomed]
+        newer = [d for d in _step_dirs(out) if d.name > f"step_{state['step']:06d}" and d not in doomed]
         if newer:
             print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")
         for d in doomed + newer:
@@ -438,6 +658,27 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
         save_json(out / "config.json", dataclasses.asdict(cfg))
     barrier()
     return state
+
+
+def _step_dirs(out: Path) -> list[Path]:
+    return [d for d in out.glob("step_*") if STEP_NAME.fullmatch(d.name) and d.is_dir()]
+
+
+def _changed_since_resume_point(cfg, out: Path, ckpt: Path | None) -> str | None:
+    """Under the lock: the one-line error if out_dir no longer holds what resume_point decided on, else None."""
+    try:
+        if cfg.overwrite:
+            return None
+        if cfg.resume == "auto":
+            same = (find_latest(out) if out.is_dir() else None) == ckpt
+        elif cfg.resume == "none":
+            same = not _has_run(out)
+        else:
+            same = ckpt is not None and (is_checkpoint(ckpt) or is_checkpoint(ckpt.with_name(ckpt.name[5:])))
+    except ValueError as e:
+        return f"error: {e}"
+    return None if same else (f"error: --out_dir {out} changed while this run was starting (another run wrote to "
+                              "it meanwhile); nothing was changed: start this run again")
 
 
 def _one_line(e: BaseException) -> str:

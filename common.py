@@ -15,6 +15,7 @@ import random
 import re
 import socket
 import sys
+import time
 import traceback
 import types
 import typing
@@ -274,6 +275,24 @@ def make_generator(seed: int, *ints: int, device="cpu") -> torch.Generator:
     return g
 
 
+def check_flags(cfg, at_least_1=(), at_least_0=(), positive=()):
+    """One `error:` line for the first flag out of its range (before anything is loaded or written)."""
+    for names, ok, need in ((at_least_1, lambda v: v >= 1, "at least 1"), (at_least_0, lambda v: v >= 0, ">= 0"),
+                            (positive, lambda v: 0 < v < float("inf"), "a positive finite number")):
+        for name in names:
+            value = getattr(cfg, name)
+            if not all(ok(v) for v in (value if isinstance(value, tuple) else (value,))):
+                raise SystemExit(f"error: --{name} {value}: need {need}")
+
+
+def check_packages(cfg):
+    """--wandb / --tensorboard need their package: say so before a run starts (or --overwrite deletes anything).
+    A missing package fails on every rank alike (not only on the logging rank, which would hang the others)."""
+    for package, wanted in (("wandb", getattr(cfg, "wandb", "")), ("tensorboard", getattr(cfg, "tensorboard", 0))):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+
+
 class JsonlLogger:
     """Appends one JSON object per line, flushed each time (so `tail -f` works and a crash loses nothing).
     Optionally mirrors each row's numbers to Weights & Biases (wandb_project) and/or TensorBoard (tensorboard_dir),
@@ -281,10 +300,7 @@ class JsonlLogger:
 
     def __init__(self, path, enabled: bool = True, append: bool = True, *, wandb_project: str = "",
                  tensorboard_dir=None, config: dict | None = None, start_step: int = 0):
-        # a missing package fails on every rank alike (not only on the logging rank, which would hang the others)
-        for package, wanted in (("wandb", wandb_project), ("tensorboard", tensorboard_dir)):
-            if wanted and importlib.util.find_spec(package) is None:
-                raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+        check_packages(types.SimpleNamespace(wandb=wandb_project, tensorboard=tensorboard_dir))
         self.f = self.wandb = self.tb = None
         if not enabled:
             return
@@ -336,6 +352,49 @@ class JsonlLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+class Progress:
+    """Progress that fits where it goes (rank 0 only): a tqdm bar when stdout is a terminal; when it is a file or a
+    pipe (SLURM, CI, `tee`), a plain line every `every_s` seconds and at the end, instead of a carriage-return
+    update per step. update(n, info): n more done; info, e.g. "loss 1.234", goes in the bar's postfix or the line."""
+
+    def __init__(self, total: int, desc: str, *, initial: int = 0, enabled: bool = True, every_s: float = 30.0):
+        self.total, self.desc, self.n, self.first, self.every_s = total, desc, initial, initial, every_s
+        self.enabled, self.t0, self.last = enabled and int(os.environ.get("RANK", 0)) == 0, time.perf_counter(), None
+        self.bar = None
+        if self.enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stdout)
+
+    def update(self, n: int = 1, info: str = ""):
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix_str(info, refresh=False)
+        elif self.enabled:
+            now = time.perf_counter()
+            if self.last is None or now - self.last >= self.every_s or self.n >= self.total:
+                self.last = now
+                print(self.line(info, now - self.t0), flush=True)
+
+    def line(self, info: str, elapsed: float) -> str:
+        """ "grpo step 12/3000 (0%) | reward 0.125 | 1m05s, eta 4h30m": the plain-text form of the bar."""
+        done = self.n - self.first
+        eta = _duration((self.total - self.n) * elapsed / done) if done > 0 else "?"
+        pct = 100 * self.n / max(self.total, 1)
+        return f"{self.desc} {self.n}/{self.total} ({pct:.0f}%)" + (f" | {info}" if info else "") + (
+            f" | {_duration(elapsed)}, eta {eta}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 # -----------------------------------------------------------------------------

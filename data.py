@@ -20,12 +20,13 @@ partition train exactly (e.g. SFT on the first 10%, GRPO on the other 90%).
 
 import hashlib
 import json
+import math
 import random
 import re
 from fractions import Fraction
 from pathlib import Path
 
-from rewards import last_boxed
+from rewards import MAX_ANSWER_CHARS, last_boxed
 
 TEMPLATES = ("r1", "short", "chat")
 THINK = "<think>"
@@ -149,6 +150,12 @@ def arith_rows(split: str, seed: int = 0, **knobs) -> list[dict]:
     unknown = set(knobs) - set(ARITH_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown arith knobs {sorted(unknown)}; known: {sorted(ARITH_DEFAULTS)}")
+    for name, value in knobs.items():  # a knob's type is its default's (steps=abc is not a count)
+        want = type(ARITH_DEFAULTS[name])
+        if type(value) is not want:
+            kind = "true/false" if want is bool else want.__name__
+            raise ValueError(f"bad arith knob {name}={value!r}: expected {kind} like its default "
+                             f"{ARITH_DEFAULTS[name]!r}")
     split_name = parse_split(split)[0]
     if split_name not in ("train", "test"):
         raise ValueError(f"arith has splits 'train' and 'test', not {split_name!r}")
@@ -258,18 +265,33 @@ def gsm8k_row(row, n: int = 1, source: str = "gsm8k") -> dict:
     if not sep or not _NUMBER.fullmatch(gold):
         raise ValueError(f"{source}: row {n}: field 'answer' has no '#### <number>' final line (got {raw[-40:]!r})")
     solution = _CALC_NOTE.sub("", reasoning).strip() or None  # "48/2 = <<48/2=24>>24" -> "48/2 = 24"
-    return {"question": question.strip(), "answer": gold, "solution": solution}
+    return {"question": question.strip(), "answer": _gold(gold, n, source), "solution": solution}
 
 
 def math_row(row, n: int = 1, source: str = "math") -> dict:
-    """MATH raw row {problem, solution[, answer]} -> {question, answer, solution}."""
+    """MATH raw row {problem, solution[, answer]} -> {question, answer, solution}. A numeric answer (a JSON number)
+    is its decimal text; without an answer, the solution's last \\boxed{}."""
     question, solution = _field(row, n, source, "problem"), _field(row, n, source, "solution")
     answer = row.get("answer")
-    if not isinstance(answer, str) or not answer.strip():
+    if isinstance(answer, int | float) and not isinstance(answer, bool) and math.isfinite(answer):
+        answer = str(answer)
+    elif answer is not None and not isinstance(answer, str):
+        raise ValueError(f"{source}: row {n}: field 'answer' is {answer!r}, not a string or a number")
+    if answer is None or not answer.strip():
         answer = last_boxed(solution)
         if not answer:
-            raise ValueError(f"{source}: row {n}: no field 'answer' and no \\boxed{{...}} in field 'solution'")
-    return {"question": question.strip(), "answer": answer.strip(), "solution": solution.strip()}
+            given = "an empty field 'answer'" if row.get("answer") is not None else "no field 'answer'"
+            raise ValueError(f"{source}: row {n}: {given} and no \\boxed{{...}} in field 'solution'")
+    return {"question": question.strip(), "answer": _gold(answer.strip(), n, source), "solution": solution.strip()}
+
+
+def _gold(answer: str, n: int, source: str) -> str:
+    """A gold answer rewards.answers_match can match: it rejects answers over MAX_ANSWER_CHARS."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        raise ValueError(f"{source}: row {n}: the gold answer has {len(answer)} characters, over the "
+                         f"{MAX_ANSWER_CHARS} that rewards.answers_match compares, so no completion could ever "
+                         "match it: shorten it or drop the row")
+    return answer
 
 
 # ---------------------------------------------------------------- the one entry point

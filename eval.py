@@ -34,12 +34,14 @@ import torch
 import torch.distributed as tdist
 
 import rewards
-from checkpoint import resolve_model_dir
+from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
 from common import (
     DTYPES,
     JsonlLogger,
+    Progress,
     all_gather_list,
     autocast,
+    check_flags,
     check_precision,
     cleanup_dist,
     init_dist,
@@ -65,6 +67,8 @@ class EvalConfig:
                                                          "adapter_config.json names)"})
     lora_merge: bool = field(default=True, metadata={"help": "for an adapter: merge it into the weights before "
                                                              "sampling (faster; equal to rounding)"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="test[:400]", metadata={"help": "problems, e.g. test, test[:400], train[10%:]"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
@@ -90,6 +94,8 @@ class EvalConfig:
                                                             "choices": ["float32", "bfloat16"]})
     out_dir: str = field(default="runs/eval", metadata={"help": "writes summary.json and completions.jsonl here"})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
 
 
 # -----------------------------------------------------------------------------
@@ -138,11 +144,13 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, dist=None,
-             seed: int = 0, tolerance: float = 0.0, dtype: str = "float32") -> tuple[dict, list[dict]]:
+             seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",
+             progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
     (summary, records) on every rank; records hold one dict per completion, problem-major. Every rank must call
     this together when distributed (it gathers), with the same rows. dtype: the compute dtype (common.autocast),
-    the training script's --dtype, so in-loop and standalone evals compute alike."""
+    the training script's --dtype, so in-loop and standalone evals compute alike. progress: a name to report
+    progress under (common.Progress: a bar on a terminal, else a line every progress_every seconds); "" = silent."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
     # where the generators live: the model's device (FSDP2 parameters are DTensors; their device is the local one)
@@ -152,6 +160,8 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     was_training = model.training
     model.eval()
     mine = []
+    rounds = math.ceil(n_batches / world)
+    bar = Progress(rounds * world, progress, enabled=bool(progress), every_s=progress_every)
     # every rank runs the same number of sampler calls (ceil(n_batches / world)); a rank without a real batch in
     # the last round generates a one-prompt dummy and drops it, so sharded (FSDP) models stay in step
     for b in range(rank, world * math.ceil(n_batches / world), world):
@@ -163,6 +173,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             gen = generate(model, ids, max_new_tokens, num_samples=samples,
                            temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
                            generator=make_generator(seed, b, device=device))
+        bar.update(world)  # rank 0 reports: every rank does one batch per round
         if dummy:
             continue
         # the host's copy of the batch (one transfer each): text and scores are bookkeeping
@@ -176,6 +187,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
                          "num_tokens": n_tok[i], "truncated": truncated[i], **score})
+    bar.close()
     model.train(was_training)
     records = sorted(all_gather_list(mine), key=lambda r: (r["problem"], r["sample"]))
     summary = summarize(records, samples, pass_k, tolerance)
@@ -200,23 +212,30 @@ def main(argv=None):
     rewards.check_tolerance(cfg.reward_tolerance)
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)
-    path = resolve_model_dir(cfg.model)
-    adapter = (path / "adapter_config.json").is_file()  # a LoRA adapter: a LoRA run's checkpoint or OUT/adapter
-    base = Path(cfg.lora_base or _adapter_base(path)) if adapter else path
+    check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
+                at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
+    check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
+    with user_input("--model"):  # a run dir whose `latest` is broken, an adapter without its base
+        path = resolve_model_dir(cfg.model)
+        adapter = (path / "adapter_config.json").is_file()  # a LoRA adapter: a LoRA run's checkpoint or OUT/adapter
+        base = Path(cfg.lora_base or _adapter_base(path)) if adapter else path
     if not (base / "config.json").is_file():
         raise SystemExit(f"error: --model {cfg.model}: not a model directory (no config.json in {base})")
     check_precision(cfg.dtype, cfg.weights_dtype)
-    with user_input("--model"):  # no weights, a truncated file, an adapter that does not fit the base, ...
+    with user_input("--model"):  # no weights, a truncated file, a bad config.json or tokenizer, an adapter that
+        # does not fit the base, ... (config.json's checks first: transformers' tokenizer loader reads it too)
+        model = load_model(base, device=d.device, dtype=DTYPES[cfg.weights_dtype], size_limits=cfg.size_limits)
         tok = load_tokenizer(path if any(path.glob("tokenizer*")) else base)
-        model = load_model(base, device=d.device, dtype=DTYPES[cfg.weights_dtype])
         if adapter:
             load_adapter(model, path)
             if cfg.lora_merge:
                 merge_lora(model)
-    try:
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        raise SystemExit(f"data: {err}") from None
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        format_prompt(rows[0]["question"], cfg.template, tok)
+    if d.is_main:
+        mark_run_dir(cfg.out_dir, "eval")
     print0(f"eval {path} on {cfg.task} {cfg.split}: {len(rows)} problems, {d.world_size} rank(s)")
 
     modes = []  # (name, samples, temperature)
@@ -228,8 +247,8 @@ def main(argv=None):
     for name, n, temp in modes:
         summary, records = evaluate(model, tok, rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
-                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed,
-                                    tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
+                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance,
+                                    dtype=cfg.dtype, progress=f"eval {name} batch", progress_every=cfg.progress_every)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})

@@ -37,14 +37,24 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import rewards
-from checkpoint import check_finite, export_lora, resume_point, save_checkpoint, start_or_resume
+from checkpoint import (
+    check_finite,
+    check_out_dir,
+    export_lora,
+    release_run_dir,
+    resume_point,
+    save_checkpoint,
+    start_or_resume,
+)
 from common import (
     DTYPES,
     Dist,
     JsonlLogger,
+    Progress,
     all_reduce_named,
     any_rank,
     autocast,
+    check_flags,
     check_precision,
     cleanup_dist,
     grad_sync,
@@ -81,6 +91,8 @@ class GRPOConfig:
     """GRPO from an HF model dir: sample G completions per prompt, score them, update on group advantages."""
     # model and data
     init: str = field(default="runs/sft/model", metadata={"help": "HF model dir to start from"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     task: str = field(default="arith", metadata={"help": "task: arith | gsm8k | math"})
     split: str = field(default="train[5%:]", metadata={"help": "training problems (answers only are used)"})
     data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
@@ -140,6 +152,8 @@ class GRPOConfig:
     # infrastructure
     dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
     dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
     dtype: str = field(default="float32", metadata={"help": "compute dtype; bfloat16: bf16 matmuls over fp32 weights "
                                                       "and AdamW state (autocast, or FSDP2 mixed precision)",
                                               "choices": ["float32", "bfloat16"]})
@@ -340,8 +354,7 @@ def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str = "
     (the log-softmax itself in fp32). The model computes them chunk by chunk, so full (N, L, vocab) fp32 logits
     never exist."""
     with autocast(model, dtype):
-        logp, ent = model(inputs, targets=targets, temperature=temperature)  # (N, L) each
-    return logp.gather(1, pos), ent.gather(1, pos)
+        return model(inputs, targets=targets, temperature=temperature, target_pos=pos)  # the lm_head at pos only
 
 
 # what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy, logprob_gap), over
@@ -453,13 +466,13 @@ def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str
     every completion --max_new_tokens long. The in-loop eval samples batches of 32 prompts, once each."""
     gen_prompts = min(cfg.gen_batch, cfg.prompts_per_step // world)
     eval_prompts = EVAL_BATCH if cfg.eval_every else 0
-    nbytes = 2 if cfg.dtype == "bfloat16" else 4
-    bf16_compute = cfg.dist == "fsdp" and world > 1 and device_type == "cuda"  # common.wrap_model's policy
+    nbytes = DTYPES[cfg.weights_dtype].itemsize  # weights, gradients, AdamW moments
+    compute = DTYPES[cfg.dtype].itemsize  # activations and KV cache (autocast / FSDP2 mixed precision)
     return dict(rows=cfg.prompts_per_step // world * cfg.group_size, seq=prompt_len + cfg.max_new_tokens - 1,
                 max_rows=cfg.train_micro_batch, max_tokens=cfg.micro_batch_tokens,
                 gen_rows=max(gen_prompts * cfg.group_size, eval_prompts), gen_prompts=max(gen_prompts, eval_prompts),
                 prompt_len=prompt_len, new_tokens=cfg.max_new_tokens, param_bytes=nbytes,
-                compute_bytes=2 if bf16_compute else nbytes, world_size=world, dist=cfg.dist if world > 1 else "none",
+                compute_bytes=compute, world_size=world, dist=cfg.dist if world > 1 else "none",
                 activation_checkpointing=cfg.activation_checkpointing, reference=cfg.beta > 0,
                 cpu=device_type == "cpu")
 
@@ -473,26 +486,30 @@ def main(argv=None):
     torch.set_flush_denormal(True)  # a tiny-model run once stalled on denormals without this
     seed_all(cfg.seed, d.rank)
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
+    check_flags(cfg, at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu", "steps"),
+                at_least_0=("top_k", "warmup", "eval_every", "save_every", "keep", "log_samples", "max_minutes",
+                            "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
+                positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
                          "G >= 2 (or --scale_rewards none)")
-    if not 0 < cfg.lr < math.inf:
-        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
     if not 0 <= cfg.tis_cap < math.inf:
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
+    check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
     if min(cfg.train_micro_batch, cfg.micro_batch_tokens) < 0:
         bad = "--train_micro_batch" if cfg.train_micro_batch < 0 else "--micro_batch_tokens"
         raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
-    weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
+    with user_input("--reward_weights"):
+        weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     check_precision(cfg.dtype, cfg.weights_dtype)
     weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
 
     # --- tokenizer, model config, data: no weights are read before the memory estimate ---------------------------
     with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
-        model_cfg = load_config(cfg.init)
+        model_cfg = load_config(cfg.init, cfg.size_limits)
         tok = load_tokenizer(cfg.init)
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)  # no stop token at all: an error naming the dir
     max_pos = model_cfg.max_position_embeddings
@@ -500,7 +517,8 @@ def main(argv=None):
         knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
     prompt_ids = [encode_prompt(tok, t, cfg.template) for t in prompt_text]  # tokenized once
     if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
         raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -517,14 +535,15 @@ def main(argv=None):
     # --- model, reference --------------------------------------------------------------------------------------
     with user_input("--init"):  # no weights, a truncated safetensors file, weights that do not fit config.json
         base_dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else weights_dtype  # the base's dtype
-        model = load_model(cfg.init, device=d.device, dtype=base_dtype)
+        model = load_model(cfg.init, device=d.device, dtype=base_dtype, size_limits=cfg.size_limits)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, seed=cfg.seed,
                      base=cfg.init)
     ref = None
     if cfg.beta > 0 and not cfg.lora_rank:  # frozen copy of the starting policy; with beta = 0 it is never built
-        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype).requires_grad_(False).eval()
+        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype, size_limits=cfg.size_limits)
+        ref = ref.requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d, cfg.dtype)
     model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d, cfg.dtype)
@@ -544,6 +563,7 @@ def main(argv=None):
 
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
+    bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
@@ -598,21 +618,22 @@ def main(argv=None):
                                   dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance, dtype=cfg.dtype)  # fmt: skip
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
-        print0(
-            f"step {step} | reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
-            f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train {t3 - t2:.2f}s"
-            + (f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else "")
-        )
+        evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
+        bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
+                   f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train "
+                   f"{t3 - t2:.2f}s{evaluated}")
         if done or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {"t_train": t_train, "stopped": "time" if done and step < cfg.steps else False}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                             config=asdict(cfg))
         if done:
             break
+    bar.close()
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
         export_lora(model, tok, cfg.out_dir, d)
     log.close()
     samples_log.close()
+    release_run_dir(cfg.out_dir)
     cleanup_dist()
 
 

@@ -63,7 +63,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in ("llama", "qwen2"):
             raise ValueError(f"model_type {self.model_type!r} is not supported; use a llama or qwen2 checkpoint")
+        _check_types(self)  # before any arithmetic on the values
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates pairs of dimensions")
         self.attention_bias = self.model_type == "qwen2" or self.attention_bias
         if self.model_type == "llama" and self.attention_bias:
             raise ValueError("llama with attention_bias=true (q/k/v/o biases) is not supported")
@@ -76,6 +79,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         """Reads hub configs (top-level rope_theta/rope_scaling) and transformers-5 ones (rope_parameters)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        if not isinstance(d.get("rope_parameters") or d.get("rope_scaling") or {}, dict):
+            raise ValueError(f"rope_scaling={d.get('rope_scaling')!r} is not an object")
         if d.get("model_type") not in ("llama", "qwen2"):
             raise ValueError(f"model_type {d.get('model_type')!r} is not supported; use a llama or qwen2 checkpoint")
         unsupported = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
@@ -100,6 +107,61 @@ class ModelConfig:
         return d
 
 
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "max_position_embeddings")
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_types(cfg: ModelConfig):
+    """Types and ranges of a config, checked before anything is computed from it (config.json is user input)."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    is_num = lambda v: is_int(v) or (isinstance(v, float) and math.isfinite(v))
+    for name in _INTS:
+        v = getattr(cfg, name)
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name}={v!r}: expected a positive integer")
+    if cfg.head_dim is not None and (not is_int(cfg.head_dim) or cfg.head_dim < 1):
+        raise ValueError(f"head_dim={cfg.head_dim!r}: expected a positive integer (or no head_dim)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if not is_num(getattr(cfg, name)) or getattr(cfg, name) <= 0:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected a positive number")
+    for name in ("tie_word_embeddings", "attention_bias"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected true or false")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(cfg, name)
+        ids = v if isinstance(v, list) and name == "eos_token_id" else [v]
+        if not all(i is None or is_int(i) for i in ids):
+            raise ValueError(f"{name}={v!r}: expected a token id (an integer) or null")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.get("rope_type") == "llama3":
+        s = cfg.rope_scaling
+        ok = all(is_num(s.get(k)) and s[k] > 0 for k in _LLAMA3_ROPE)
+        if not ok or s["high_freq_factor"] <= s["low_freq_factor"]:
+            raise ValueError(f"llama3 rope_scaling {s} needs positive numbers {', '.join(_LLAMA3_ROPE)} with "
+                             "high_freq_factor > low_freq_factor")
+
+
+# sizes beyond any model minigrpo is meant for: a config past them is far more likely a typo (or a hostile file)
+# than a model, and building it would take minutes or all memory before failing. --size_limits false lifts them.
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144,
+               "num_attention_heads": 1024, "head_dim": 1024, "vocab_size": 2**22, "max_position_embeddings": 2**22}
+MAX_PARAMS = 2 * 10**12
+
+
+def check_size(cfg: ModelConfig):
+    """Refuse a config past SIZE_LIMITS or MAX_PARAMS, before anything is allocated (python ints, no tensors)."""
+    for name, limit in SIZE_LIMITS.items():
+        if getattr(cfg, name) > limit:
+            raise ValueError(f"{name}={getattr(cfg, name)} is over minigrpo's sanity limit {limit}: if the model is "
+                             "really that large, pass --size_limits false")
+    C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    block = C * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * C * F
+    n = cfg.num_hidden_layers * block + cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
+    if n > MAX_PARAMS:
+        raise ValueError(f"the config describes {n:.3g} parameters, over minigrpo's sanity limit {MAX_PARAMS:.0g}: "
+                         "if the model is really that large, pass --size_limits false")
+
+
 PRESETS = {
     # the built-in demo's model (sft.py's default), calibrated with its SFT recipe (README, "The demo"): a change
     # here moves the step at which SFT lands in GRPO's band; tests/test_demo.py guards it
@@ -116,6 +178,9 @@ PRESETS = {
 def preset_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    unknown = set(overrides) - {f.name for f in fields(ModelConfig)}
+    if unknown:
+        raise ValueError(f"unknown config fields {sorted(unknown)}; ModelConfig's are config.json's names")
     return ModelConfig(**{**PRESETS[name], "vocab_size": vocab_size, **overrides})
 
 
@@ -365,11 +430,12 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
-                last_only=False):
+                last_only=False, target_pos=None):
         """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
         number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
         positions, or over cache slots when a cache is passed; combined with causal attention.
-        targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks.
+        targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks;
+        with target_pos (B, Tp) long, only at those positions -> (B, Tp) each (the lm_head runs on them alone).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -401,6 +467,10 @@ class Transformer(nn.Module):
         # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
         # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
         n = logits_chunk_tokens(self.config.vocab_size)
+        if target_pos is not None:  # only the positions whose log-probs are read: the lm_head runs on those alone
+            x = x.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, Tp, C)
+            targets = targets.gather(1, target_pos)  # (B, Tp)
+            T = target_pos.shape[1]
         h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
         out = [checkpoint(token_logp, hc, tc, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
                for hc, tc in zip(h.split(n), t.split(n))]
@@ -524,10 +594,28 @@ def format_memory(est: dict) -> str:
 # Hugging Face directories: config.json + model.safetensors (or shards + model.safetensors.index.json)
 
 
-def _read_state(path: Path) -> dict:
+def _shard_files(path: Path) -> list[str]:
+    """The weight files of an HF dir: model.safetensors, or the files its shard index names. Those must be plain
+    file names in the dir (an index naming "/abs/x" or "../x" would load weights from elsewhere)."""
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
-        "model.safetensors"]
+    if not index.exists():
+        return ["model.safetensors"]
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: not a shard index (needs a \"weight_map\" object of tensor -> file name); "
+                         "save or download it again")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if Path(f).name != f or f in (".", ".."):
+            raise ValueError(f"{index}: weight_map names {f[:80]!r}, not a file in {path}; fix the index")
+    return files
+
+
+def _read_state(path: Path) -> dict:
+    files = _shard_files(path)
     state = {}
     for name in files:
         if not (path / name).exists():
@@ -541,15 +629,22 @@ def _read_state(path: Path) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def load_config(path) -> ModelConfig:
-    """An HF model directory's config.json (no weights read)."""
+def load_config(path, size_limits: bool = True) -> ModelConfig:
+    """An HF model directory's config.json (no weights read), checked: types, ranges, divisibility and, unless
+    size_limits is False, check_size."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model directory (want an HF dir: config.json + model.safetensors)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'}: not found; is {path} a Hugging Face model directory?")
     try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        try:
+            d = json.loads((path / "config.json").read_text())
+        except ValueError as e:  # (also a file that is not UTF-8)
+            raise ValueError(f"not valid JSON ({e})") from None
+        cfg = ModelConfig.from_hf(d)
+        if size_limits:
+            check_size(cfg)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
     gen = path / "generation_config.json"
@@ -558,14 +653,17 @@ def load_config(path) -> ModelConfig:
             extra = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError as e:
             raise ValueError(f"{gen}: not valid JSON ({e})") from None
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in _as_list(extra)):
+            raise ValueError(f"{gen}: eos_token_id={extra!r}: expected a token id or a list of them")
         ids = list(dict.fromkeys(_as_list(cfg.eos_token_id) + _as_list(extra)))
         cfg.eos_token_id = ids[0] if len(ids) == 1 else ids or None  # saved so, the union stays with the model
     return cfg
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> Transformer:
+def load_model(path, device="cpu", dtype=torch.float32, size_limits: bool = True) -> Transformer:
+    """An HF model dir -> Transformer; config.json is checked (load_config) before any weight is read."""
     path = Path(path)
-    cfg = load_config(path)
+    cfg = load_config(path, size_limits)
     state = _read_state(path)
     if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]  # HF omits the tied copy
@@ -712,7 +810,11 @@ def load_tokenizer(path):
     if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         # (transformers' own message for this case is five generic lines that do not name the directory)
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) in it")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed tokenizer.json
+        raise ValueError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {e}); save or download them "
+                         "again") from None
 
 
 def stop_and_pad_ids(tokenizer, cfg: ModelConfig) -> tuple[list[int], int]:

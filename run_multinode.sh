@@ -83,6 +83,23 @@ if ! command -v torchrun >/dev/null; then
   exit 2
 fi
 
+# Every number from the environment is checked as a plain decimal before any arithmetic reads it: bash arithmetic
+# evaluates what it is given, so NNODES='a[$(cmd)]' in $((...)) or [[ -gt ]] would run cmd.
+need_int() {  # NAME VALUE MIN [MAX]
+  local ok=0
+  if [[ $2 =~ ^(0|[1-9][0-9]{0,8})$ ]]; then  # only now may arithmetic see it
+    ok=1
+    (( $2 >= $3 )) || ok=0
+    [[ -z ${4:-} ]] || (( $2 <= $4 )) || ok=0
+  fi
+  if (( ! ok )); then
+    local range=">= $3"
+    [[ -z ${4:-} ]] || range="from $3 to $4"
+    echo "run_multinode.sh: error: $1='$2' must be an integer $range" >&2
+    exit 2
+  fi
+}
+
 export PYTHONUNBUFFERED=1  # workers' output reaches the console line by line, not when a buffer fills
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 # A fresh rendezvous store for every restart: with torchrun's default (one store shared by all restarts) a restarted
@@ -91,12 +108,24 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 DIST_TIMEOUT=${DIST_TIMEOUT:-600}
 NPROC_PER_NODE=${NPROC_PER_NODE:-gpu}
+need_int MAX_RESTARTS "$MAX_RESTARTS" 0
+need_int RDZV_TIMEOUT "$RDZV_TIMEOUT" 1
+if [[ ! $DIST_TIMEOUT =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
+  echo "run_multinode.sh: error: DIST_TIMEOUT='$DIST_TIMEOUT' must be a number of seconds" >&2
+  exit 2
+fi
+if [[ ! $NPROC_PER_NODE =~ ^(gpu|cpu|auto)$ ]]; then
+  need_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
+fi
+[[ -z ${MASTER_PORT:-} ]] || need_int MASTER_PORT "$MASTER_PORT" 1 65535
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   # Under sbatch/salloc this runs once, on the first node; srun below starts one torchrun on every node. torchrun
   # finds out by itself whether its node is MASTER_ADDR (it compares host names), so all nodes get the same command.
+  need_int SLURM_JOB_ID "$SLURM_JOB_ID" 0
+  NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-}}
+  need_int NNODES "$NNODES" 1
   mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # (not `| head -1`: SIGPIPE + pipefail)
-  NNODES=${NNODES:-$SLURM_JOB_NUM_NODES}
   if [[ ${#HOSTS[@]} -eq 0 ]]; then
     echo "run_multinode.sh: scontrol show hostnames '$SLURM_JOB_NODELIST' listed no hosts" >&2
     exit 2
@@ -113,6 +142,8 @@ if [[ -n ${SLURM_JOB_ID:-} ]]; then
   WHERE="SLURM job $SLURM_JOB_ID, $NNODES node(s)"
 else
   NNODES=${NNODES:-1}
+  need_int NNODES "$NNODES" 1
+  [[ -z ${NODE_RANK:-} ]] || need_int NODE_RANK "$NODE_RANK" 0 "$((NNODES - 1))"
   if [[ $NNODES -gt 1 && ( -z ${NODE_RANK:-} || -z ${MASTER_ADDR:-} ) ]]; then
     echo "run_multinode.sh: NNODES=$NNODES needs NODE_RANK (0 on MASTER_ADDR's host, 1..$((NNODES - 1)) on the" \
          "others) and MASTER_ADDR (the host of NODE_RANK 0), e.g." >&2

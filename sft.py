@@ -57,13 +57,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import model as model_lib
 from checkpoint import (
     check_finite,
+    check_out_dir,
     export_lora,
     publish_model,
+    release_run_dir,
     resolve_model_dir,
     resume_point,
     save_checkpoint,
@@ -72,9 +73,11 @@ from checkpoint import (
 from common import (
     DTYPES,
     JsonlLogger,
+    Progress,
     all_reduce_named,
     any_rank,
     autocast,
+    check_flags,
     check_precision,
     cleanup_dist,
     grad_sync,
@@ -101,6 +104,8 @@ class SFTConfig:
     model: str = field(default="demo", metadata={"help": "preset for a fresh model with the char tokenizer "
                                                          "(model.PRESETS)"})
     model_overrides: str = field(default="", metadata={"help": "changes to the preset, e.g. 'num_hidden_layers=3'"})
+    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
+                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
     # data
     task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
     split: str = field(default="train[:5%]", metadata={"help": "training problems (with worked solutions)"})
@@ -120,7 +125,7 @@ class SFTConfig:
     # optimisation
     global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
     micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward, at most (0 = no limit)"})
-    steps: int = field(default=6000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
+    steps: int = field(default=8000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
     max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time, eval "
                                                              "excluded (0 = off)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
@@ -153,6 +158,8 @@ class SFTConfig:
     weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of weights and AdamW state; "
                                                             "bfloat16 halves it but loses small updates (needs "
                                                             "--dtype bfloat16)", "choices": ["float32", "bfloat16"]})
+    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
+                                                                  "is a file or pipe (a terminal gets a bar)"})
     out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
@@ -216,10 +223,10 @@ def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, de
     """memory_estimate's arguments for this run, at its worst case: every row as long as the longest (seq tokens);
     the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once each, --max_new_tokens long."""
     eval_prompts = EVAL_BATCH if cfg.eval_every else 0
-    bf16_compute = cfg.dist == "fsdp" and world > 1 and device_type == "cuda"  # common.wrap_model's policy
     return dict(rows=cfg.global_batch // world, seq=seq, max_rows=cfg.micro_batch, max_tokens=cfg.micro_batch_tokens,
                 gen_rows=eval_prompts, gen_prompts=eval_prompts, prompt_len=eval_prompt_len,
-                new_tokens=cfg.max_new_tokens, compute_bytes=2 if bf16_compute else 4, world_size=world,
+                new_tokens=cfg.max_new_tokens, param_bytes=DTYPES[cfg.weights_dtype].itemsize,
+                compute_bytes=DTYPES[cfg.dtype].itemsize, world_size=world,
                 dist=cfg.dist if world > 1 else "none", activation_checkpointing=cfg.activation_checkpointing,
                 cpu=device_type == "cpu")
 
@@ -232,6 +239,11 @@ def main(argv=None):
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
     W = d.world_size
+    check_flags(cfg, at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
+                at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay",
+                            "progress_every"),
+                positive=("lr", "dist_timeout"))
+    check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
@@ -239,41 +251,42 @@ def main(argv=None):
         bad = "--micro_batch" if cfg.micro_batch < 0 else "--micro_batch_tokens"
         raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     check_precision(cfg.dtype, cfg.weights_dtype)
-    if cfg.steps < 1:
-        raise SystemExit(f"error: --steps {cfg.steps}: need at least 1")
-    if not 0 < cfg.lr < math.inf:
-        raise SystemExit(f"error: --lr {cfg.lr}: need a positive finite learning rate")
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
-    try:
+    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         knobs = parse_knobs(cfg.task_knobs)
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(f"error: data: {e}") from None
 
     # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer (no weights read yet) ---
     if cfg.init is not None:
-        path = resolve_model_dir(cfg.init)
+        with user_input("--init"):  # a run dir whose `latest` is broken
+            path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
         with user_input("--init"):  # a bad config.json, no tokenizer, ...
-            model_cfg = model_lib.load_config(path)
+            model_cfg = model_lib.load_config(path, cfg.size_limits)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
-        model_cfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
-                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                            **parse_knobs(cfg.model_overrides))  # fmt: skip
+        with user_input("--model_overrides"):  # a typo, a string where a size goes, a config bomb
+            model_cfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
+                                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                                **parse_knobs(cfg.model_overrides))  # fmt: skip
+            if cfg.size_limits:
+                model_lib.check_size(model_cfg)
     with user_input("--init"):  # a model directory without any stop token
         eos_ids, pad_id = model_lib.stop_and_pad_ids(tok, model_cfg)
     eos_id = eos_ids[0]  # what every target ends with: the tokenizer's own EOS (a chat model's end of turn)
 
     # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
     examples = []
+    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
+        format_prompt(rows[0]["question"], cfg.template, tok)
     for r in rows:
         prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: what the prompt opened, "<think>"
-        target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
+        with user_input("data"):  # a row without a worked solution
+            target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
         examples.append(build_example(encode_prompt(tok, prompt, cfg.template), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
     max_len, longest = model_cfg.max_position_embeddings, max(len(ids) for ids, _ in examples)
@@ -298,7 +311,7 @@ def main(argv=None):
     if cfg.init is not None:
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
             dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else DTYPES[cfg.weights_dtype]
-            model = model_lib.load_model(path, device=d.device, dtype=dtype)
+            model = model_lib.load_model(path, device=d.device, dtype=dtype, size_limits=cfg.size_limits)
     else:
         model = model_lib.Transformer(model_cfg).to(d.device, DTYPES[cfg.weights_dtype])
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
@@ -339,7 +352,7 @@ def main(argv=None):
     history = list(state.get("eval_history", []))  # held-out pass@1 of every eval so far (for --stop_patience)
     t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
     first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
-    bar = tqdm(total=cfg.steps, initial=step, disable=not d.is_main, desc="sft", dynamic_ncols=True)
+    bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
@@ -385,8 +398,7 @@ def main(argv=None):
             history.append(pass1)
             stop = reached_bar(history, cfg.stop_pass1, cfg.stop_patience)
         log.write(metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.1e}", pass1="-" if pass1 is None else f"{pass1:.3f}")
+        bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {'-' if pass1 is None else f'{pass1:.3f}'}")
         stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept in the checkpoint for resume
         if stop:
             print0(f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
@@ -415,6 +427,7 @@ def main(argv=None):
     opt_bytes = sum(t.numel() * t.element_size() for t in local)
     print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state {opt_bytes / 2**20:.1f} MiB "
            f"(rank 0); model in {out / 'model'}")
+    release_run_dir(out)
     cleanup_dist()
 
 

@@ -89,7 +89,7 @@ def test_incompatible_flags(dirs, tmp_path):
                                  "--max_new_tokens", "200"], tmp_path / "out")  # fmt: skip
     assert msg.startswith("error: longest --eval_split prompt (") and "exceeds the model's max_position_embed" in msg
     assert fails(grpo.main, GRPO + init + ["--lr", "nan"], tmp_path / "out") == (
-        "error: --lr nan: need a positive finite learning rate")
+        "error: --lr nan: need a positive finite number")
 
 
 def test_prompts_per_step_not_divisible_by_world_size(dirs, tmp_path):
@@ -171,6 +171,6 @@ def test_overwrite_starts_over(dirs, run_dir, tmp_path):
     (out / "tb" / "events.out.tfevents.1").write_text("old")
     (out / "wandb_run_id").write_text("abc 7\n")
     grpo.main(GRPO + ["--init", str(dirs / "good"), "--steps", "1", "--out_dir", str(out), "--overwrite"])
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "latest", "metrics.jsonl", "samples.jsonl",
-                                                     "step_000001"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "latest", "metrics.jsonl", "minigrpo_run.json",
+                                                     "samples.jsonl", "step_000001"]  # fmt: skip
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

@@ -173,6 +173,25 @@ def test_chunked_logp_matches_plain_log_softmax(temperature, monkeypatch):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_logp_at_target_positions_matches_the_full_log_softmax():
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", **SIZES, num_key_value_heads=2)
+    ref, ours = Transformer(cfg), Transformer(cfg)
+    ours.load_state_dict(randomize(ref).state_dict())
+    x, y = tokens(3, 17, seed=1), tokens(3, 17, seed=2)
+    pos = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 16], [9, 9, 9, 9]])  # (3, 4): ragged rows repeat a clamped position
+    logp, entropy = ours(x, targets=y, target_pos=pos)
+    full = ref(x).log_softmax(-1)  # (B, T, V)
+    want = full.gather(-1, y.unsqueeze(-1)).squeeze(-1).gather(1, pos)  # (3, 4)
+    assert logp.shape == entropy.shape == (3, 4) and (logp - want).abs().max() <= 1e-5
+    assert (entropy - -(full.exp() * full).sum(-1).gather(1, pos)).abs().max() <= 1e-4
+    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+    (logp * w).sum().backward()
+    (want * w).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_presets():
     with torch.device("meta"):
         sizes = {name: sum(p.numel() for p in Transformer(preset_config(name, 99)).parameters()) for name in M.PRESETS}

@@ -134,7 +134,7 @@ def test_run_multinode_sh_two_nodes(tiny_dir, reference, tmp_path):
     outs = _finish(nodes)
     _assert_same_metrics(reference, _metrics(out))
     # lines carry node and global rank; rank 0 (on either node: the rendezvous assigns global ranks) logged the steps
-    assert any("rank0]:step 3 |" in o for o in outs), outs
+    assert any("rank0]:grpo step 3/" in o for o in outs), outs
     assert all("--dist_timeout=600" in o for o in outs)  # DIST_TIMEOUT's default reached the script
     assert (out / "latest").is_file()  # the checkpoint, written by both nodes' ranks into one directory
 
@@ -234,3 +234,30 @@ def test_script_is_clean_bash():
         pytest.skip("shellcheck not installed (apt-get install shellcheck)")
     r = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+def test_environment_is_never_evaluated(tmp_path):
+    """Bash arithmetic evaluates what it reads: each number from the environment is checked as plain decimal first.
+    A bad value is one `error:` line (exit 2, before torchrun starts) and the injected command never runs."""
+    pwn = tmp_path / "pwned"
+    inject = f"PATH[$(touch {pwn})]"
+    cases = [  # (environment, its error line)
+        ({"NNODES": inject}, f"NNODES='{inject}' must be an integer >= 1"),
+        ({"NNODES": "0"}, "NNODES='0' must be an integer >= 1"),
+        ({"NNODES": "08"}, "NNODES='08' must be an integer >= 1"),  # (bash would read it as octal, and fail)
+        ({"NNODES": "2", "NODE_RANK": inject, "MASTER_ADDR": "h"}, f"NODE_RANK='{inject}' must be an integer from 0 "
+                                                                   "to 1"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK='2' must be an integer from 0 to 1"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' must be an integer from 1 to 65535"),
+        ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1' must be an integer >= 0"),
+        ({"RDZV_TIMEOUT": inject}, f"RDZV_TIMEOUT='{inject}' must be an integer >= 1"),
+        ({"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE='abc' must be an integer >= 1"),
+        ({"DIST_TIMEOUT": "1e"}, "DIST_TIMEOUT='1e' must be a number of seconds"),
+        ({"SLURM_JOB_ID": inject, "SLURM_JOB_NODELIST": "h"}, f"SLURM_JOB_ID='{inject}' must be an integer >= 0"),
+        ({"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "h", "SLURM_JOB_NUM_NODES": inject},
+         f"NNODES='{inject}' must be an integer >= 1"),
+    ]
+    for env, want in cases:
+        r = subprocess.run([str(SCRIPT), "grpo.py"], env={**ENV, **env}, cwd=ROOT, capture_output=True, text=True)
+        assert (r.returncode, r.stderr) == (2, f"run_multinode.sh: error: {want}\n"), env
+        assert not pwn.exists(), env

@@ -175,7 +175,7 @@ def test_grpo_ddp_kill9_then_resume_is_exact(tiny_dir, grpo_ddp_ref, tmp_path):
     assert latest(out) != "step_000006", "the job finished before the kill: nothing was tested"
     text = run(args, out)  # the same command again
     assert resumed_from(text).endswith(("step_000002", "step_000004")), text[-3000:]
-    assert "step 1 |" not in text and "step 6 |" in text  # it continued; it did not start over
+    assert "grpo step 1/" not in text and "grpo step 6/" in text  # it continued; it did not start over
     assert_same_run(grpo_ddp_ref, out)
 
 
@@ -209,7 +209,7 @@ def test_grpo_fsdp_crash_inside_save_resumes_from_previous_checkpoint(tiny_dir, 
     assert [m["step"] for m in rows(out / "metrics.jsonl")] == [1, 2, 3, 4]  # ... while step 3 and 4 were logged
     text = run(args, out)
     assert resumed_from(text).endswith("step_000002"), text[-3000:]
-    assert "step 2 |" not in text and "step 3 |" in text
+    assert "grpo step 2/" not in text and "grpo step 3/" in text
     assert not (out / ".tmp_step_000004").exists()  # the leftover is cleaned up
     assert_same_run(ref, out)
 

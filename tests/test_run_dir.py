@@ -1,0 +1,184 @@
+"""The run directory is never clobbered (issue 17): a stage writes only into a new or empty directory or one of its
+own runs, never its --init; every check runs before anything is deleted or written; `latest` stays inside the run;
+an exclusive lock keeps a second run out (two real processes, one of them killed with SIGKILL). Each bad input gives
+one `error:` line and leaves every directory involved byte for byte as it was (hashed before and after)."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+import eval as evaluation
+import grpo
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+GRPO = ["--split", "train[:64]", "--eval_split", "test[:4]", "--prompts_per_step", "2", "--group_size", "2",
+        "--gen_batch", "2", "--max_new_tokens", "8", "--eval_every", "0", "--warmup", "1", "--steps", "1"]  # fmt: skip
+
+
+def tree(path: Path) -> dict | None:
+    """Every file's and directory's path -> sha256 of its bytes ("dir" for a directory); None if path is missing."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*"))}  # fmt: skip
+
+
+def fails(main, argv: list[str], *dirs: Path) -> str:
+    """main(argv) must exit with one `error:` line (python prints it and exits 1) and change none of dirs."""
+    before = [tree(d) for d in dirs]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    assert [tree(d) for d in dirs] == before
+    return msg
+
+
+def fake_run(path: Path, stage="grpo", marker=True, **files) -> Path:
+    """A run dir as a stage leaves it (marker, config.json, metrics.jsonl), without training anything."""
+    path.mkdir(parents=True)
+    if marker:
+        (path / checkpoint.MARKER).write_text(json.dumps({"stage": stage}))
+    flags = {"out_dir": str(path), "resume": "auto", "overwrite": False, ("group_size" if stage == "grpo" else
+                                                                          "global_batch"): 4}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(flags))
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    for name, text in files.items():
+        (path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+@pytest.fixture
+def places(tiny_dir, tmp_path):
+    """Directories a user might point --out_dir at by mistake, next to a copy of the --init model."""
+    init = tmp_path / "init"
+    shutil.copytree(tiny_dir, init)
+    other = tmp_path / "other"  # not a run: checkpoints and temp dirs of something else
+    for d in ("step_000001", ".tmp_step_000002", ".old_x", ".del_y"):
+        (other / d).mkdir(parents=True)
+        (other / d / "data.bin").write_bytes(os.urandom(64))
+    (tmp_path / "a_file").write_text("notes")
+    fake_run(tmp_path / "sft_run", stage="sft")
+    fake_run(tmp_path / "run")
+    fake_run(tmp_path / "legacy", marker=False)  # a run from before the marker: config.json holds a stage's flags
+    for name, text in {"dotdot": "../other/step_000001\n", "absolute": f"{tmp_path}/other/step_000001\n",
+                       "long": "step_" + "1" * 5000, "binary": b"\xff\xfe step_000001"}.items():  # fmt: skip
+        fake_run(tmp_path / f"latest_{name}", latest=text)
+    return tmp_path
+
+
+def test_out_dir_table(places):
+    t, init = places, ["--init", str(places / "init")]
+    cases = [  # (main, argv, the error line's start, or a part of it)
+        (grpo.main, init + ["--out_dir", str(t / "init")], f"error: --out_dir {t}/init is or holds the --init model"),
+        (grpo.main, ["--init", str(t / "run"), "--out_dir", str(t / "run")], "is or holds the --init model"),
+        (grpo.main, init + ["--out_dir", str(t / "other")],
+         f"error: --out_dir {t}/other exists and is not a minigrpo run (no minigrpo_run.json, no run config.json): "
+         "grpo.py writes only into a new or empty directory or one of its own runs; nothing was changed. Pick another "
+         "--out_dir"),
+        (grpo.main, init + ["--out_dir", str(t / "other"), "--overwrite"], "exists and is not a minigrpo run"),
+        (grpo.main, init + ["--out_dir", str(t / "sft_run"), "--overwrite"],
+         f"error: --out_dir {t}/sft_run exists and is a run of sft.py: grpo.py writes only into"),
+        (grpo.main, init + ["--out_dir", str(t / "a_file")], f"error: --out_dir {t}/a_file is a file, not a directory"),
+        (grpo.main, init + ["--out_dir", str(t / "legacy"), "--resume", "none"],
+         f"error: --out_dir {t}/legacy already holds a run"),  # recognised as a run without the marker
+        (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--gen_batch", "0"],
+         "error: --gen_batch 0: need at least 1"),
+        (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--task_knobs", "steps=abc"],
+         "error: data: bad arith knob steps='abc'"),
+        (grpo.main, ["--init", str(t / "missing"), "--out_dir", str(t / "run"), "--overwrite"],
+         f"error: --init: {t}/missing: no such model directory"),
+        (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--reward_weights", "foo"],
+         "error: --reward_weights: bad reward weight 'foo'"),
+        (evaluation.main, ["--model", str(t / "init"), "--out_dir", str(t / "run")],
+         f"error: --out_dir {t}/run exists and is a run of grpo.py: eval.py writes only into"),
+        (evaluation.main, ["--model", str(t / "init"), "--out_dir", str(t / "init")], "exists and is not a minigrpo"),
+    ]
+    for name in ("dotdot", "absolute", "long", "binary"):  # `latest` must name a checkpoint of this run
+        cases.append((grpo.main, init + ["--out_dir", str(t / f"latest_{name}")],
+                      f"error: --out_dir: {t}/latest_{name}/latest holds b"))
+    if importlib_find("wandb") is None:  # the package a flag needs is checked before --overwrite deletes anything
+        cases.append((grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--wandb", "proj"],
+                      "error: --wandb needs the wandb package: pip install wandb"))
+    for main, argv, want in cases:
+        msg = fails(main, GRPO + argv if main is grpo.main else argv, *(t / d for d in sorted(os.listdir(t))))
+        assert msg.startswith(want) or want in msg, (argv, msg)
+
+
+def importlib_find(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name)
+
+
+def test_overwrite_deletes_only_what_a_run_writes(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    grpo.main(GRPO + ["--init", str(tiny_dir), "--out_dir", str(out), "--save_every", "1"])
+    (out / "notes.txt").write_text("mine")  # the user's own files in the run dir
+    (out / "eval").mkdir()
+    (out / "eval" / "summary.json").write_text("{}")
+    (out / "step_notes").write_text("not a checkpoint name")
+    grpo.main(GRPO + ["--init", str(tiny_dir), "--out_dir", str(out), "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval", "latest", "metrics.jsonl",
+                                                     "minigrpo_run.json", "notes.txt", "samples.jsonl",
+                                                     "step_000001", "step_notes"]  # fmt: skip
+
+
+def test_resave_cut_between_renames_keeps_the_checkpoint(tiny_dir, tmp_path, capsys):
+    """save_checkpoint re-saving step N renames step_N to .old_step_N, then .tmp_step_N to step_N: a crash between
+    the two leaves no step_N. The restart takes the complete .old copy back instead of deleting both copies."""
+    out = tmp_path / "run"
+    argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(out), "--save_every", "1"]
+    grpo.main(argv)
+    (out / "step_000001").rename(out / ".old_step_000001")
+    shutil.copytree(out / ".old_step_000001", out / ".tmp_step_000001")
+    assert checkpoint.find_latest(out) == out / ".old_step_000001"
+    capsys.readouterr()
+    grpo.main(argv)
+    assert f"resuming from {out}/step_000001 at step 1" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if "step" in p.name) == ["step_000001"]
+    assert checkpoint.find_latest(out) == out / "step_000001"
+
+
+# -----------------------------------------------------------------------------
+# the lock: two real processes
+
+HOLD = ("import sys, time, checkpoint; msg = checkpoint.lock_run_dir(sys.argv[1]); print(msg or 'locked', "
+        "flush=True); time.sleep(600)")
+
+
+def test_lock_two_processes_and_sigkill(tiny_dir, tmp_path):
+    out = fake_run(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = tree(out)
+        stage = [sys.executable, "grpo.py", *GRPO, "--init", str(tiny_dir), "--out_dir", str(out), "--overwrite"]
+        p = subprocess.run(stage, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert p.stderr.strip().splitlines()[-1] == (
+            f"error: --out_dir {out} is in use by another run (pid {holder.pid} on host {os.uname().nodename}; lock "
+            ".lock_node0): wait for it to end, or stop it (a run that dies releases the lock), or pick another "
+            "--out_dir")
+        assert tree(out) == before  # the holder's run is untouched
+        os.kill(holder.pid, signal.SIGKILL)  # dies holding the lock: the OS releases it
+        holder.wait(timeout=30)
+        p = subprocess.run(stage, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert json.loads((out / "config.json").read_text())["overwrite"] is True  # the second run went ahead
+        assert not list(out.glob(".lock_node*"))  # a finished run leaves no lock file
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

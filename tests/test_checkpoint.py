@@ -153,6 +153,9 @@ else:  # load, then save the loaded state again under this world size as step 3
     assert state["step"] == 2 and state["data_position"] == 2, state
     checkpoint.save_checkpoint(sys.argv[4], 3, model, tok, {}, d, optimizer=opt)
 common.cleanup_dist()
+# free what holds the gloo group while the interpreter is whole (left to shutdown, gloo can abort the process)
+del model, opt
+import gc; gc.collect()
 """
 
 

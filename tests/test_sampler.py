@@ -169,6 +169,9 @@ for _ in range(2):  # twice: the parameters must be sharded again, and usable fo
 open(os.path.join({out!r}, f"rank{{rank}}.ok"), "w").close()
 dist.barrier()  # both ranks done before either destroys the group (a lone destroy can abort gloo)
 dist.destroy_process_group()
+# free what holds the gloo group while the interpreter is whole (left to shutdown, gloo can abort the process)
+del ddp, fsdp, logp
+import gc; gc.collect()
 """
 
 

@@ -59,6 +59,7 @@ from common import (
     cleanup_dist,
     grad_sync,
     init_dist,
+    lora_estimate_args,
     lr_at,
     make_generator,
     micro_batches,
@@ -473,8 +474,8 @@ def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str
                 gen_rows=max(gen_prompts * cfg.group_size, eval_prompts), gen_prompts=max(gen_prompts, eval_prompts),
                 prompt_len=prompt_len, new_tokens=cfg.max_new_tokens, param_bytes=nbytes,
                 compute_bytes=compute, world_size=world, dist=cfg.dist if world > 1 else "none",
-                activation_checkpointing=cfg.activation_checkpointing, reference=cfg.beta > 0,
-                cpu=device_type == "cpu")
+                activation_checkpointing=cfg.activation_checkpointing, cpu=device_type == "cpu",
+                reference=cfg.beta > 0 and not cfg.lora_rank, **lora_estimate_args(cfg))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -509,11 +509,37 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> i
     return tokens * per_token
 
 
+def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each LoRA target's (in, out) features."""
+    C, I = cfg.hidden_size, cfg.intermediate_size
+    HD, KD = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"q_proj": (C, HD), "k_proj": (C, KD), "v_proj": (C, KD), "o_proj": (HD, C), "gate_proj": (C, I),
+            "up_proj": (C, I), "down_proj": (I, C)}
+
+
+def lora_param_count(cfg: ModelConfig, rank: int, targets=LORA_TARGETS) -> int:
+    """Adapter parameters of add_lora: r x (in + out) per targeted projection and block."""
+    shapes = lora_shapes(cfg)
+    return cfg.num_hidden_layers * rank * sum(sum(shapes[t]) for t in targets)
+
+
+def lora_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, rank: int, targets=LORA_TARGETS,
+                          dropout: float = 0.0) -> int:
+    """What LoRA changes in one Block's saved tensors (block_activation_bytes + this): each adapter keeps its
+    r-dim input for lora_B; the frozen norms no longer keep their fp32 normalised input for a weight gradient; with
+    dropout, each adapter keeps its dropped input and mask (counted as two copies: an upper bound)."""
+    ins = [lora_shapes(cfg)[t][0] for t in targets]
+    per_token = len(targets) * rank * dtype_bytes - 2 * cfg.hidden_size * 4
+    per_token += 2 * sum(ins) * dtype_bytes if dropout > 0 else 0
+    return tokens * per_token
+
+
 def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0, max_tokens: int = 0,
                     gen_rows: int = 0, gen_prompts: int = 0, prompt_len: int = 0, new_tokens: int = 0,
                     param_bytes: int = 4, compute_bytes: int = 4, world_size: int = 1, dist: str = "none",
                     activation_checkpointing: bool = False, reference: bool = False, cpu: bool = True,
-                    trainable: int | None = None) -> dict:
+                    lora_rank: int = 0, lora_targets=LORA_TARGETS, lora_dropout: float = 0.0,
+                    base_bytes: int = 0) -> dict:
     """Bytes one rank holds at its peak, by component: the persistent state plus the largest of three phases
     (generation, the forward/backward of the largest micro-batch, the optimizer step).
 
@@ -522,22 +548,25 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     at once, from gen_prompts prompts of prompt_len tokens (each prefilled once), new_tokens each.
     param_bytes: the dtype of weights, gradients and AdamW moments; compute_bytes: of activations and KV cache.
     dist "fsdp" shards the state over world_size ranks; "ddp" keeps replicas plus its gradient buckets.
-    trainable: parameters with gradients and AdamW state (None: all; LoRA would pass its adapters' count).
+    lora_rank > 0: only the adapters (fp32) have gradients and AdamW state, the frozen base is held in base_bytes
+    (0 = param_bytes) and the KL reference is the base itself (pass reference=False).
     Live tensors only: allocator caching, the CUDA context and communication buffers come on top; on CPU
     `runtime` stands for the interpreter, torch, the tokenizer and the data."""
     P = param_count(cfg)
-    T = P if trainable is None else trainable
     L, C, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    lora = lora_param_count(cfg, lora_rank, lora_targets) if lora_rank else 0
+    T, tb = (lora, 4) if lora_rank else (P, param_bytes)  # what trains, and its bytes per value
+    head_grad = 0 if lora_rank else V * C * param_bytes  # the lm_head's weight gradient (frozen with LoRA)
     sharded = dist == "fsdp" and world_size > 1
     shard = world_size if sharded else 1
     outside = V * C * (2 - cfg.tie_word_embeddings) + C  # embeddings, head, final norm: FSDP2's root
     block = (P - outside) // L  # parameters per block
     est = {
-        "weights": P * param_bytes / shard,
-        "gradients": T * param_bytes / shard,
-        "optimizer": 2 * T * param_bytes / shard,  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
+        "weights": (P * (base_bytes or param_bytes) + lora * 4) / shard,
+        "gradients": T * tb / shard,
+        "optimizer": 2 * T * tb / shard,  # AdamW: exp_avg and exp_avg_sq, in the trained parameters' dtype
         "reference": P * param_bytes / shard if reference else 0,  # GRPO's frozen KL reference
-        "ddp_buckets": T * param_bytes if dist == "ddp" and world_size > 1 else 0,
+        "ddp_buckets": T * tb if dist == "ddp" and world_size > 1 else 0,
     }
     # FSDP2 gathers a block at a time in training (itself and the next, prefetched) and keeps the root's own
     # parameters gathered from forward to backward; the sampler gathers the whole model
@@ -549,14 +578,16 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     micro = min(rows, max_rows or rows, max(max_tokens // seq, 1) if max_tokens else rows)
     n = micro * seq
     one_block = block_activation_bytes(cfg, n, compute_bytes)
+    if lora_rank:
+        one_block += lora_activation_bytes(cfg, n, compute_bytes, lora_rank, lora_targets, lora_dropout)
     head_input = n * 2 * C * 4 + n * C * compute_bytes  # the final norm's fp32 input and its output
     acts = {False: (L + 1) * one_block + head_input, True: L * n * C * compute_bytes + 2 * one_block + head_input}
     est["activations"] = acts[activation_checkpointing]
     # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient
-    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + V * C * param_bytes
+    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + head_grad
     # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
     # second on, all gradients exist alongside the activations
-    grads_live = est["gradients"] if rows > micro else V * C * param_bytes / shard
+    grads_live = est["gradients"] if rows > micro or lora_rank else head_grad / shard
     train = est["activations"] + est["logits_chunk"] + grads_live + gathered_train
 
     # generation: the KV cache (each prompt's prefill cache, copied to its samples) and one decode step's logits
@@ -566,7 +597,8 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + gathered_gen
 
     # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
-    step = est["gradients"] + (max(V * C, block) if cpu else T) * param_bytes / shard
+    largest = max(max(lora_shapes(cfg)[t]) for t in lora_targets) * lora_rank if lora_rank else max(V * C, block)
+    step = est["gradients"] + (largest if cpu else T) * tb / shard
     est["fsdp_gathered"] = max(gathered_train, gathered_gen)
     est["runtime"] = RUNTIME_CPU_BYTES if cpu else 0
     persistent = sum(est[k] for k in ("weights", "optimizer", "reference", "ddp_buckets", "runtime"))

@@ -82,6 +82,7 @@ from common import (
     cleanup_dist,
     grad_sync,
     init_dist,
+    lora_estimate_args,
     lr_at,
     micro_batches,
     parse_config,
@@ -228,7 +229,7 @@ def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, de
                 new_tokens=cfg.max_new_tokens, param_bytes=DTYPES[cfg.weights_dtype].itemsize,
                 compute_bytes=DTYPES[cfg.dtype].itemsize, world_size=world,
                 dist=cfg.dist if world > 1 else "none", activation_checkpointing=cfg.activation_checkpointing,
-                cpu=device_type == "cpu")
+                cpu=device_type == "cpu", **lora_estimate_args(cfg))
 
 
 # -----------------------------------------------------------------------------

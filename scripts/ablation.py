@@ -8,7 +8,8 @@ and the clip fractions.
                                                          # quick SFT start trained first into OUT/sft
     python scripts/ablation.py --out /tmp/abl --table_only   # print the table again from finished runs
 
-The runs go one after another (a time budget is fair only if nothing else competes), each in OUT/VARIANT_sSEED,
+The runs go one after another, or --jobs at a time with the cores split between them (a time budget is fair only
+if nothing else competes), each in OUT/VARIANT_sSEED,
 with its output in log.txt there. A finished run is not redone: running the same command again resumes an
 interrupted run and reprints the table. Time budgets use grpo.py's --max_minutes (training time; the in-loop evals
 are not counted). Pass@1 at a mark is the newest eval at or before it (--eval_every sets the resolution); "start"
@@ -20,9 +21,11 @@ CISPO reduce to GRPO / DAPO. GSPO gets its paper's clip range and CISPO no lower
 
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,21 +58,45 @@ class AblationConfig:
     eval_every: int = field(default=10, metadata={"help": "steps between held-out evals in each run"})
     grpo_flags: str = field(default="--mu 2", metadata={"help": "extra grpo.py flags for every run"})
     nproc: int = field(default=1, metadata={"help": "processes per run (torchrun when > 1)"})
+    jobs: int = field(default=1, metadata={"help": "runs at once, each with OMP_NUM_THREADS = cores / (jobs x "
+                                                 "nproc) unless set (1 = one after another)"})
     # output
     out: str = field(default="runs/ablation", metadata={"help": "folder of the runs and table.md"})
     table_only: bool = field(default=False, metadata={"help": "only print the table of the runs already in --out"})
 
 
-def launch(script: str, flags: list[str], nproc: int, log: Path) -> None:
-    """Run a stage script from the repo root (torchrun for nproc > 1), its output into log; stop on failure."""
-    cmd = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ {shlex.join(cmd[1:] + flags)}  > {log}", flush=True)
-    with open(log, "a") as f:
-        rc = subprocess.run(cmd + flags, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"error: {script} exited with {rc}: see {log}")
+def command(script: str, flags: list[str], nproc: int) -> list[str]:
+    """The command line of a stage script (torchrun for nproc > 1)."""
+    run = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return run + [script] + flags
+
+
+def launch(jobs: list[tuple[str, list[str], Path]], nproc: int, at_once: int) -> None:
+    """Run (script, flags, log) jobs from the repo root, at most at_once at a time, each one's output into its
+    log; stop at the first failure."""
+    env = dict(os.environ)
+    if at_once > 1 and "OMP_NUM_THREADS" not in env:  # the cores are split between the jobs, not oversubscribed
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (at_once * nproc)))
+    running, todo = [], list(jobs)
+    while todo or running:
+        while todo and len(running) < at_once:
+            script, flags, log = todo.pop(0)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            cmd = command(script, flags, nproc)
+            print(f"$ {shlex.join(cmd[1:])}  > {log}", flush=True)
+            f = open(log, "a")
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+            running.append((proc, script, log, f))
+        time.sleep(0.5)
+        for job in [j for j in running if j[0].poll() is not None]:
+            running.remove(job)
+            proc, script, log, f = job
+            f.close()
+            if proc.returncode:
+                for other in running:
+                    other[0].terminate()
+                raise SystemExit(f"error: {script} exited with {proc.returncode}: see {log}")
 
 
 def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
@@ -173,13 +200,15 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "ablation.json").write_text(json.dumps(asdict(cfg), indent=2))
         if not cfg.init:
-            launch("sft.py", ["--out_dir", str(out / "sft"), *shlex.split(cfg.sft_flags)], cfg.nproc,
-                   out / "sft" / "log.txt")  # fmt: skip
+            sft = ["--out_dir", str(out / "sft"), *shlex.split(cfg.sft_flags)]
+            launch([("sft.py", sft, out / "sft" / "log.txt")], cfg.nproc, 1)
+        runs = []
         for v in variants:
             for s in seeds:
                 run = out / f"{v}_s{s}"
                 flags = [*shared, "--loss", v, "--seed", str(s), *VARIANT_FLAGS.get(v, []), "--out_dir", str(run)]
-                launch("grpo.py", flags, cfg.nproc, run / "log.txt")
+                runs.append(("grpo.py", flags, run / "log.txt"))
+        launch(runs, cfg.nproc, cfg.jobs)
     start = start_pass1(init, shared, out) if Path(init).exists() else None
     text = table(cfg, variants, seeds, marks, by_minutes, start)
     if out.exists():

@@ -241,6 +241,46 @@ def test_estimate_counts_what_autograd_saves(kw):
     assert abs((three - two) - want) <= 0.02 * want, (three - two, want)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_estimate_counts_what_autograd_saves(dropout):
+    """The LoRA terms against the real thing: add_lora's adapter count, and one adapted block's saved bytes (fp32;
+    exact without dropout, an upper bound within 35% with it)."""
+    cfg = M.ModelConfig(**CFG)
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj") if dropout else M.LORA_TARGETS
+    x = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
+    saved = []
+    for layers in (3, 2):
+        model = _model()
+        model.layers = model.layers[:layers]
+        M.add_lora(model, 4, 8.0, dropout, targets)
+        if layers == 3:
+            adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            assert M.lora_param_count(cfg, 4, targets) == adapters
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved.append(_saved_bytes(lambda m=model: m(x), exclude=params)[0])
+    got = saved[0] - saved[1]
+    want = M.block_activation_bytes(cfg, 120, 4) + M.lora_activation_bytes(cfg, 120, 4, 4, targets, dropout)
+    if dropout:
+        assert got <= want <= 1.35 * got, (got, want)
+    else:
+        assert abs(got - want) <= 0.02 * want, (got, want)
+
+
+def test_lora_estimate_trains_only_the_adapters():
+    cfg = M.ModelConfig(**{**CFG, "vocab_size": 128_256, "hidden_size": 3072, "intermediate_size": 8192,
+                           "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+                           "tie_word_embeddings": True})  # Llama-3.2-3B's shape
+    base = dict(rows=16, seq=700, max_rows=2, gen_rows=32, gen_prompts=4, prompt_len=200, new_tokens=512,
+                cpu=False, compute_bytes=2)  # the README's 3B LoRA recipe
+    full = M.memory_estimate(cfg, **base, reference=True)
+    lora = M.memory_estimate(cfg, **base, lora_rank=16, base_bytes=2)
+    p = M.lora_param_count(cfg, 16)
+    assert 24e6 < p < 25e6  # rank 16 on all seven projections of the 3B
+    assert lora["weights"] == 2 * M.param_count(cfg) + 4 * p
+    assert lora["gradients"] == 4 * p and lora["optimizer"] == 8 * p and lora["reference"] == 0
+    assert full["peak"] > 60e9 > 20e9 > lora["peak"]  # full: + fp32 master weights, gradients, AdamW, reference
+
+
 def test_estimate_scales_with_the_flags():
     cfg = M.ModelConfig(**{**CFG, "vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4864,
                            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,

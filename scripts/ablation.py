@@ -9,9 +9,8 @@ and the clip fractions.
     python scripts/ablation.py --out /tmp/abl --table_only   # print the table again from finished runs
 
 The runs go one after another, or --jobs at a time with the cores split between them (a time budget is fair only
-if nothing else competes), each in OUT/VARIANT_sSEED,
-with its output in log.txt there. A finished run is not redone: running the same command again resumes an
-interrupted run and reprints the table. Time budgets use grpo.py's --max_minutes (training time; the in-loop evals
+if nothing else competes), each in OUT/VARIANT_sSEED, its output in OUT/VARIANT_sSEED.log beside it. A finished
+run is not redone: running the same command again resumes an interrupted run and reprints the table. Time budgets use grpo.py's --max_minutes (training time; the in-loop evals
 are not counted). Pass@1 at a mark is the newest eval at or before it (--eval_every sets the resolution); "start"
 is the SFT model's own, evaluated the way grpo.py's in-loop eval does.
 
@@ -201,13 +200,13 @@ def main(argv=None):
         (out / "ablation.json").write_text(json.dumps(asdict(cfg), indent=2))
         if not cfg.init:
             sft = ["--out_dir", str(out / "sft"), *shlex.split(cfg.sft_flags)]
-            launch([("sft.py", sft, out / "sft" / "log.txt")], cfg.nproc, 1)
+            launch([("sft.py", sft, out / "sft.log")], cfg.nproc, 1)
         runs = []
         for v in variants:
             for s in seeds:
                 run = out / f"{v}_s{s}"
                 flags = [*shared, "--loss", v, "--seed", str(s), *VARIANT_FLAGS.get(v, []), "--out_dir", str(run)]
-                runs.append(("grpo.py", flags, run / "log.txt"))
+                runs.append(("grpo.py", flags, out / f"{v}_s{s}.log"))
         launch(runs, cfg.nproc, cfg.jobs)
     start = start_pass1(init, shared, out) if Path(init).exists() else None
     text = table(cfg, variants, seeds, marks, by_minutes, start)

@@ -35,7 +35,6 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import grpo
-from common import Dist
 from data import format_prompt, load_task
 from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
 from sampler import generate
@@ -173,7 +172,7 @@ class OurSide:
         lengths = roll.lengths.tolist()
         batch = grpo.training_batch(row_prompts, roll.tokens, lengths, pad)
         seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
-        grpo.update(self.model, None, self.opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, cfg, Dist(), step)
+        grpo.update(self.model, None, self.opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, cfg, step)
         t2 = time.perf_counter()
         self.times.append((t1 - t0, t2 - t1))
         self.lens.append(sum(lengths) / len(lengths))

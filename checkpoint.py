@@ -3,10 +3,10 @@ The run directory's lifecycle: which checkpoint a run continues from, loading it
 pruning old ones, cutting the logs back on resume and publishing the final model. The only module that knows
 a checkpoint's file names and state keys.
 
-    ckpt = resume_point(cfg, dist, must_match)             # before anything is loaded or written
-    state = start_or_resume(ckpt, cfg, model, opt, dist)   # {"step": 0} fresh, else the saved progress
+    ckpt = resume_point(cfg, d, must_match)                # before anything is loaded or written
+    state = start_or_resume(ckpt, cfg, model, opt, d)      # {"step": 0} fresh, else the saved progress
     ...
-    save_checkpoint(cfg.out_dir, step, model, tok, {"t_train": t}, dist, optimizer=opt, config=asdict(cfg))
+    save_checkpoint(cfg.out_dir, step, model, tok, {"train_s": t}, d, optimizer=opt, config=asdict(cfg))
     publish_model(find_latest(cfg.out_dir), out / "model")  # rank 0: a plain HF model dir
 
 One run directory:
@@ -106,7 +106,7 @@ def find_latest(run_dir) -> Path | None:
         ckpt = _complete_copy(run_dir, name)
         if ckpt is not None:
             return ckpt
-    names = {d.name for d in run_dir.glob("step_*")} | {d.name[5:] for d in _restorable(run_dir)}
+    names = {p.name for p in run_dir.glob("step_*")} | {p.name[5:] for p in _restorable(run_dir)}
     done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names)) if c is not None]
     return done[-1] if done else None
 
@@ -138,7 +138,7 @@ def _complete_copy(run_dir: Path, name: str) -> Path | None:
 
 def _restorable(run_dir: Path) -> list[Path]:
     """Complete .old_step_N copies whose step_N is missing: a re-save of step N cut between its two renames."""
-    return [d for d in sorted(run_dir.glob(".old_step_*")) if is_checkpoint(d) and not (run_dir / d.name[5:]).exists()]
+    return [p for p in sorted(run_dir.glob(".old_step_*")) if is_checkpoint(p) and not (run_dir / p.name[5:]).exists()]
 
 
 def is_checkpoint(path) -> bool:
@@ -159,7 +159,7 @@ def resolve_model_dir(path) -> Path:
 # save
 
 
-def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | None, dist: Dist, *, optimizer=None,
+def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | None, d: Dist, *, optimizer=None,
                     rank_state: dict | None = None, keep: int = 3, config: dict | None = None) -> Path:
     """Write run_dir/step_{step:06d}/ atomically; every rank must call it (each writes its shard).
     extra_state: the run's progress shared by all ranks (data position, clock, ...), JSON-able; saved with `step`.
@@ -169,12 +169,12 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     run_dir = Path(run_dir)
     name = f"step_{step:06d}"
     final, tmp = run_dir / name, run_dir / f".tmp_{name}"
-    if dist.is_main:
+    if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     # every rank: its RNG file, its shard of the training state, its part in gathering the HF weights
-    _write_fsynced(tmp / RNG.format(dist.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
+    _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
     state, _ = _train_state(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
     if model_lib.lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
@@ -182,14 +182,14 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     else:
         model_lib.save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
     barrier()  # every rank's files are written and fsynced
-    if dist.is_main:
+    if d.is_main:
         if config is not None:
             _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
-        progress = {"step": step, "world_size": dist.world_size, **(extra_state or {})}
+        progress = {"step": step, "world_size": d.world_size, **(extra_state or {})}
         _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
         _fault("after_tmp_write", step)
-        for d in (tmp / TRAIN_STATE, tmp):
-            _fsync_dir(d)
+        for path in (tmp / TRAIN_STATE, tmp):
+            _fsync_dir(path)
         old = run_dir / f".old_{name}"
         if final.exists():  # re-saving the same step: move the old copy aside, then delete it
             final.rename(old)
@@ -285,16 +285,16 @@ def publish_model(ckpt_dir, dst):
     tmp.rename(dst)
 
 
-def export_lora(model, tokenizer, out_dir, dist: Dist):
+def export_lora(model, tokenizer, out_dir, d: Dist):
     """Every rank (FSDP2 gathers): a LoRA run's result as OUT/model, the merged HF model dir (transformers, eval.py,
     --init), and OUT/adapter, the adapter alone in PEFT's format; each written to a tmp dir, then renamed."""
     for name, save in (("model", model_lib.save_model), ("adapter", model_lib.save_adapter)):
         dst = Path(out_dir) / name
         tmp = dst.with_name(f".tmp_{name}")
-        if dist.is_main:
+        if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         save(model, tmp, tokenizer)
-        if dist.is_main:
+        if d.is_main:
             _fsync_dir(tmp)
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)
@@ -305,7 +305,7 @@ def export_lora(model, tokenizer, out_dir, dist: Dist):
 # load
 
 
-def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dict, dict]:
+def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, dict]:
     """Load weights (+ optimizer state) into the (possibly wrapped) model, each rank reading its own shard, and
     restore this rank's RNG states. Returns (progress, rank_state). A rank the checkpoint has no RNG file for (it
     was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
@@ -320,7 +320,7 @@ def load_checkpoint(ckpt_dir, model, dist: Dist, *, optimizer=None) -> tuple[dic
     if optimizer is not None:  # the loaded moments with the current hyperparameters
         set_optimizer_state_dict(model, optimizer, optim_sd)
     rank_state = {}
-    rng_file = ckpt_dir / RNG.format(dist.rank)
+    rng_file = ckpt_dir / RNG.format(d.rank)
     if rng_file.is_file():
         try:
             rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors, whoever wrote it
@@ -407,16 +407,16 @@ def run_stage(path) -> str | None:
     path = Path(path)
     for name in (MARKER, "config.json", "summary.json"):
         try:
-            d = json.loads((path / name).read_text())
+            obj = json.loads((path / name).read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(d, dict):
+        if not isinstance(obj, dict):
             continue
-        if name == MARKER and isinstance(d.get("stage"), str):
-            return d["stage"]
-        if name == "config.json" and "out_dir" in d and "resume" in d:  # sft.py / grpo.py's flags
-            return "grpo" if "group_size" in d else "sft"
-        if name == "summary.json" and isinstance(d.get("config"), dict) and "model" in d:  # eval.py's output
+        if name == MARKER and isinstance(obj.get("stage"), str):
+            return obj["stage"]
+        if name == "config.json" and "out_dir" in obj and "resume" in obj:  # sft.py / grpo.py's flags
+            return "grpo" if "group_size" in obj else "sft"
+        if name == "summary.json" and isinstance(obj.get("config"), dict) and "model" in obj:  # eval.py's output
             return "eval"
     return None
 
@@ -495,12 +495,12 @@ def release_run_dir(out):
         os.close(fd)
 
 
-def _take_run_dir(out: Path, dist: Dist):
+def _take_run_dir(out: Path, d: Dist):
     """Every node's leader locks the run dir; if any cannot, every rank stops (global rank 0 says why)."""
     msg = lock_run_dir(out) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
     msgs = all_gather_list([msg] if msg else [])
     if msgs:
-        raise SystemExit(msgs[0] if dist.is_main else 1)
+        raise SystemExit(msgs[0] if d.is_main else 1)
 
 
 def _stage(cfg) -> str:
@@ -522,7 +522,7 @@ def _same(a, b) -> bool:
     return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
 
 
-def resume_point(cfg, dist: Dist, must_match: tuple[str, ...]) -> Path | None:
+def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
     """The checkpoint this run continues from, per cfg.resume; checked, with the out dir (check_out_dir) and the
     logger packages, before anything is loaded or written.
       auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
@@ -593,7 +593,7 @@ def truncate_jsonl(path, step: int):
     os.replace(tmp, path)
 
 
-def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
+def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
                     logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
     """Take the run dir's lock (each node's leader), then load the checkpoint resume_point chose (weights, optimizer,
     this rank's RNG states) or start fresh, then ready cfg.out_dir (rank 0): mark it as a run, delete the old run
@@ -607,21 +607,21 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         out.mkdir(parents=True, exist_ok=True)
     try:
-        _take_run_dir(out, dist)
+        _take_run_dir(out, d)
         # under the lock, nothing else changes the dir: is it still what resume_point saw? (another run may have
         # written to it meanwhile); then put back a checkpoint whose re-save was cut between its two renames
-        msg = _changed_since_resume_point(cfg, out, ckpt) if dist.is_main else None
-        if not msg and dist.is_main:
+        msg = _changed_since_resume_point(cfg, out, ckpt) if d.is_main else None
+        if not msg and d.is_main:
             for old in _restorable(out):
                 old.rename(out / old.name[5:])
         msgs = all_gather_list([msg] if msg else [])
         if msgs:
-            raise SystemExit(msgs[0] if dist.is_main else 1)
+            raise SystemExit(msgs[0] if d.is_main else 1)
         if ckpt is not None and ckpt.name.startswith(".old_"):
             ckpt = ckpt.with_name(ckpt.name[5:])
         if ckpt is not None:
             try:
-                state, _ = load_checkpoint(ckpt, model, dist, optimizer=optimizer)
+                state, _ = load_checkpoint(ckpt, model, d, optimizer=optimizer)
             except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
                     dcp.CheckpointException) as e:  # fmt: skip
                 raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
@@ -632,25 +632,25 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
             shutil.rmtree(out, ignore_errors=True)
         raise
     if ckpt is not None:
-        saved_world = state.get("world_size", dist.world_size)
+        saved_world = state.get("world_size", d.world_size)
         print0(f"resuming from {ckpt} at step {state['step']}"
-               + (f" (saved by {saved_world} rank(s), now {dist.world_size}: the continuation matches an "
-                  "uninterrupted run only to rounding)" if saved_world != dist.world_size else ""))  # fmt: skip
-    if dist.is_main:
+               + (f" (saved by {saved_world} rank(s), now {d.world_size}: the continuation matches an "
+                  "uninterrupted run only to rounding)" if saved_world != d.world_size else ""))  # fmt: skip
+    if d.is_main:
         mark_run_dir(out, _stage(cfg))
-        doomed = [d for pattern in (".tmp_step_*", ".old_step_*", ".del_step_*", ".tmp_model")
-                  for d in out.glob(pattern)]  # interrupted saves / deletes / publishes
+        doomed = [path for pattern in (".tmp_step_*", ".old_step_*", ".del_step_*", ".tmp_model")
+                  for path in out.glob(pattern)]  # interrupted saves / deletes / publishes
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
             doomed += [*_step_dirs(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # what a run writes
             for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
-        newer = [d for d in _step_dirs(out) if d.name > f"step_{state['step']:06d}" and d not in doomed]
+        newer = [path for path in _step_dirs(out) if path.name > f"step_{state['step']:06d}" and path not in doomed]
         if newer:
-            print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(d.name for d in newer))}")
-        for d in doomed + newer:
-            shutil.rmtree(d, ignore_errors=True)
+            print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(p.name for p in newer))}")
+        for path in doomed + newer:
+            shutil.rmtree(path, ignore_errors=True)
         if ckpt is not None and ckpt.parent.resolve() == out.resolve():
             _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
         for f in logs:
@@ -661,7 +661,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, dist: Dist,
 
 
 def _step_dirs(out: Path) -> list[Path]:
-    return [d for d in out.glob("step_*") if STEP_NAME.fullmatch(d.name) and d.is_dir()]
+    return [p for p in out.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()]
 
 
 def _changed_since_resume_point(cfg, out: Path, ckpt: Path | None) -> str | None:

@@ -34,6 +34,7 @@ import torch.distributed as tdist
 
 @dataclass
 class Dist:
+    """This process's place in the torchrun group (the scripts call it `d`; --dist is the parallelism flag)."""
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -126,21 +127,6 @@ def _comm_device() -> torch.device:
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
 
-def all_reduce_sum(x, dist: "Dist | None" = None, op: str = "sum"):
-    """Reduce over ranks a python number, a list of numbers (one collective for all) or a tensor; returns the same
-    kind. op: "sum" | "max" | "min". A no-op in a single process. (`dist` is accepted for readability; the default
-    process group is used.)"""
-    if not is_dist():
-        return x
-    if torch.is_tensor(x):
-        out = x.detach().to(_comm_device(), copy=True)
-        tdist.all_reduce(out, op=_OPS[op])
-        return out.to(x.device)
-    t = torch.tensor(x, dtype=torch.float64, device=_comm_device())
-    tdist.all_reduce(t, op=_OPS[op])
-    return t.tolist()
-
-
 def all_reduce_named(values: dict, ops: dict | None = None) -> dict:
     """Reduce named numbers over ranks: values {name: python number}, ops {name: "sum" | "max" | "min"} (a name not
     in ops is summed). One collective per distinct op, each over the names in values' order, so every rank must pass
@@ -164,12 +150,6 @@ def peak_mem_mb(device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def all_reduce_mean(x, dist: "Dist | None" = None):
-    world = tdist.get_world_size() if is_dist() else 1
-    out = all_reduce_sum(x)
-    return [v / world for v in out] if isinstance(out, list) else out / world
 
 
 def all_gather_list(items: list) -> list:
@@ -435,7 +415,7 @@ def autocast(model: torch.nn.Module, dtype: str):
 # model wrapping and LR schedule
 
 
-def wrap_model(model: torch.nn.Module, mode: str, dist: Dist, dtype: str = "float32") -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, mode: str, d: Dist, dtype: str = "float32") -> torch.nn.Module:
     """mode "none" | "ddp" | "fsdp". FSDP2 shards each block in model.layers, then the root (torchtitan style),
     with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32): the parameters are cast to the compute dtype
     (--dtype) when gathered, gradients reduced in fp32 and kept in the weights' dtype (fp32 master weights).
@@ -444,7 +424,7 @@ def wrap_model(model: torch.nn.Module, mode: str, dist: Dist, dtype: str = "floa
         return model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None)
+        return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
@@ -502,16 +482,17 @@ def grad_sync(model, last: bool):
     return model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()
 
 
-def any_rank(flag: bool, dist: Dist) -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any: a stop decision every rank must take at the same step."""
-    return bool(all_reduce_sum([float(flag)], dist, op="max")[0])
+    return bool(all_reduce_named({"flag": float(flag)}, {"flag": "max"})["flag"])
 
 
 def stays_stopped(state: dict, max_minutes: float) -> bool:
     """Whether a resumed run that had stopped early stays stopped: one that met its criterion (--stop_pass1) does;
     one that ran out of --max_minutes goes on when given more time (a larger --max_minutes, or 0 = no limit)."""
     reason = state.get("stopped")
-    if reason == "time" and (max_minutes <= 0 or state.get("t_train", 0.0) < max_minutes * 60):
+    train_s = state.get("train_s", state.get("t_train", 0.0))  # "t_train": checkpoints written before the rename
+    if reason == "time" and (max_minutes <= 0 or train_s < max_minutes * 60):
         return False
     if reason:
         print0(f"the run stopped early at step {state['step']} ({'--max_minutes' if reason == 'time' else reason}): "

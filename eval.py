@@ -143,7 +143,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
 
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
-             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, dist=None,
+             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, device=None,
              seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",
              progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
@@ -153,8 +153,8 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     progress under (common.Progress: a bar on a terminal, else a line every progress_every seconds); "" = silent."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
-    # where the generators live: the model's device (FSDP2 parameters are DTensors; their device is the local one)
-    device = dist.device if dist is not None else next(model.parameters()).device
+    # where the generators live (default: the model's device; an FSDP2 parameter's is its local shard's)
+    device = device if device is not None else next(model.parameters()).device
     eos_ids, pad_id = stop_and_pad_ids(tokenizer, getattr(model, "module", model).config)
     n_batches = math.ceil(len(rows) / batch_size)
     was_training = model.training
@@ -247,8 +247,9 @@ def main(argv=None):
     for name, n, temp in modes:
         summary, records = evaluate(model, tok, rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
-                                    batch_size=cfg.batch_size, dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance,
-                                    dtype=cfg.dtype, progress=f"eval {name} batch", progress_every=cfg.progress_every)
+                                    batch_size=cfg.batch_size, device=d.device, seed=cfg.seed,
+                                    tolerance=cfg.reward_tolerance, dtype=cfg.dtype, progress=f"eval {name} batch",
+                                    progress_every=cfg.progress_every)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})

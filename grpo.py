@@ -48,7 +48,6 @@ from checkpoint import (
 )
 from common import (
     DTYPES,
-    Dist,
     JsonlLogger,
     Progress,
     all_reduce_named,
@@ -364,7 +363,7 @@ UPDATE_STATS = ("ntok", "entropy", "logprob_gap", "ntok_kl", "kl", "clip_low", "
 
 
 def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, sampler_logp, cfg: GRPOConfig,
-           dist: Dist, step: int) -> dict:
+           step: int) -> dict:
     """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss) (+ beta *
     sum(w_kl * k3_kl)), grad clip, optimizer step. batch: training_batch's (inputs, targets, pos); seq_len: each
     row's real length in it (host); adv (N, 1), lmask / w / sampler_logp (N, Tc), w_kl (N, Tc) or None (beta = 0),
@@ -397,7 +396,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                     with adapters_off(ref):
                         ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature, cfg.dtype)[0]
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
-    for update in range(cfg.mu):
+    for pass_i in range(cfg.mu):
         for k, idx in enumerate(micro):
             with grad_sync(model, k == n_micro - 1):
                 logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)
@@ -412,12 +411,12 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                     loss = loss + cfg.beta * (kl * w_kl[ix[k]]).sum() * live
                 loss.backward()
             if idx:  # diagnostics: the first pass's, and the clip fractions of every pass (the ratio moves after)
-                first = float(update == 0)
+                first_pass = float(pass_i == 0)
                 gap = (logp.detach() - sampler_logp[ix[k]]).abs()
                 m_kl = (w_kl[ix[k]] > 0).float() if kl is not None else torch.zeros_like(m)
                 kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
                 sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
-                stats.append(torch.stack([x * first for x in sums]
+                stats.append(torch.stack([x * first_pass for x in sums]
                                          + [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
@@ -431,7 +430,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
 
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
-                 elapsed: float, dist: Dist) -> dict:
+                 device) -> dict:
     """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add up, the slowest
     rank sets lengths, generation time and memory (max)."""
     lengths = roll.lengths.tolist()
@@ -442,7 +441,7 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
         "n": len(scores), "reward": r_sum, "reward_sq": r_sq, "zero_std": n_zero, "groups": r.shape[0],
         "len": sum(lengths), "truncated": n_trunc, **{k: stats[k] for k in UPDATE_STATS},
         **{"comp_" + c: sum(s[c] for s in scores) for c in comps},
-        "len_max": max(lengths), "t_generate": times["generate"], "mem_peak_mb": peak_mem_mb(dist.device),
+        "len_max": max(lengths), "t_generate": times["generate"], "mem_peak_mb": peak_mem_mb(device),
     }  # fmt: skip
     g = all_reduce_named(local, {"len_max": "max", "t_generate": "max", "mem_peak_mb": "max"})
     n, nt = g["n"], max(g["ntok"], 1)
@@ -455,7 +454,7 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
         "len_max": g["len_max"],
         "truncated": g["truncated"] / n, "logprob_gap": g["logprob_gap"] / nt, "t_generate": g["t_generate"],
         "t_score": times["score"], "t_train": times["train"], "tokens_per_s": g["len"] / times["step"],
-        "mem_peak_mb": g["mem_peak_mb"], "lr": lr, "grad_norm": stats["grad_norm"], "elapsed_s": elapsed,
+        "mem_peak_mb": g["mem_peak_mb"], "lr": lr, "grad_norm": stats["grad_norm"],
     }  # fmt: skip
 
 
@@ -562,7 +561,9 @@ def main(argv=None):
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
     print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), loss={cfg.loss}")
 
-    t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
+    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall time since start
+    train_s = state.get("train_s", state.get("t_train", 0.0))  # "t_train": checkpoints written before the rename
+    t_start = time.perf_counter() - state.get("wall_s", 0.0)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
     bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
@@ -603,20 +604,21 @@ def main(argv=None):
         lengths = roll.lengths.tolist()
         batch = training_batch(row_prompts, roll.tokens, lengths, pad_id)
         seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
-        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, d, step)
+        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, step)
         t3 = time.perf_counter()
-        t_train += t3 - t0
+        train_s += t3 - t0
 
         # 6. metrics, reduced over ranks by name
         times = {"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "step": t3 - t0}
-        metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, t_train, d)
+        metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
+        metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
         for i in range(min(cfg.log_samples, len(texts))):
             samples_log.write({"step": step, "prompt": prompt_text[mine[i // G]], "completion": texts[i], **scores[i]})
 
-        done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d))
+        done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60))
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  dist=d, seed=cfg.seed, tolerance=cfg.reward_tolerance, dtype=cfg.dtype)  # fmt: skip
+                                  device=d.device, seed=cfg.seed, tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
@@ -624,7 +626,8 @@ def main(argv=None):
                    f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train "
                    f"{t3 - t2:.2f}s{evaluated}")
         if done or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {"t_train": t_train, "stopped": "time" if done and step < cfg.steps else False}
+            train_state = {"train_s": train_s, "wall_s": metrics["wall_s"],
+                           "stopped": "time" if done and step < cfg.steps else False}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                             config=asdict(cfg))
         if done:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError
@@ -724,7 +724,7 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
     holds the whole model; rank 0 alone writes, holding at most one file's tensors. A LoRA model is written merged
     (W + scale * B @ A, in W's dtype): a plain model of the same architecture."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = not tdist.is_initialized() or tdist.get_rank() == 0
     tied = model.config.tie_word_embeddings
     lora = {k + ".weight": m for k, m in lora_layers(model).items()}
     state = {k: v for k, v in model.state_dict().items()
@@ -780,7 +780,7 @@ def save_adapter(model, path, tokenizer=None) -> None:
     """Writes the LoRA adapter alone as a PEFT adapter dir, which peft.PeftModel.from_pretrained(base, path) loads
     onto the base model (and load_adapter here). Every rank must call it (FSDP2 gathers); rank 0 writes."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = not tdist.is_initialized() or tdist.get_rank() == 0
     tensors = {}
     for k, v in model.state_dict().items():
         if ".lora_" in k:

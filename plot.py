@@ -46,6 +46,12 @@ def smooth(y: list[float], k: int) -> list[float]:
     return out
 
 
+def _train_minutes(row: dict) -> float:
+    """A row's training wall time (evals excluded), in minutes. Older metrics.jsonl files: grpo.py's elapsed_s was
+    this; sft.py's included its evals."""
+    return row.get("train_s", row.get("elapsed_s", 0.0)) / 60
+
+
 def plot(runs: list[str], out: str, smooth_k: int = 10, labels: list[str] | None = None) -> str:
     import matplotlib
 
@@ -59,7 +65,7 @@ def plot(runs: list[str], out: str, smooth_k: int = 10, labels: list[str] | None
         color = f"C{ri}"
         for pi, (title, keys) in enumerate(PANELS):
             for ki, key in enumerate(keys):
-                pts = [(r["step"], r.get("elapsed_s", 0.0) / 60, r[key]) for r in rows if r.get(key) is not None]
+                pts = [(r["step"], _train_minutes(r), r[key]) for r in rows if r.get(key) is not None]
                 if not pts:
                     continue
                 steps, minutes, y = zip(*pts)
@@ -70,7 +76,7 @@ def plot(runs: list[str], out: str, smooth_k: int = 10, labels: list[str] | None
                 axes[1, pi].plot(minutes, y, **style)
             axes[0, pi].set_title(title)
             axes[0, pi].set_xlabel("step")
-            axes[1, pi].set_xlabel("training minutes")
+            axes[1, pi].set_xlabel("training minutes (train_s: evals excluded)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -349,9 +349,12 @@ def main(argv=None):
     print0(f"config: {asdict(cfg)}")
 
     # --- training loop ---------------------------------------------------------------------------------------------
-    t_start, pass1, step, ckpt = time.perf_counter() - state.get("elapsed_s", 0.0), None, state["step"], resume_from
+    pass1, step, ckpt = None, state["step"], resume_from
     history = list(state.get("eval_history", []))  # held-out pass@1 of every eval so far (for --stop_patience)
-    t_train = state.get("t_train", 0.0)  # training wall time (eval excluded), for --max_minutes
+    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall time since start
+    # ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
+    train_s = state.get("train_s", state.get("t_train", 0.0))
+    t_start = time.perf_counter() - state.get("wall_s", state.get("elapsed_s", 0.0))
     first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
     bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main, every_s=cfg.progress_every)
     for step in range(first, cfg.steps + 1):
@@ -383,17 +386,17 @@ def main(argv=None):
         g = all_reduce_named({"loss": loss_sum, "n_in": n_in, "mem_peak_mb": peak_mem_mb(d.device)},
                              {"mem_peak_mb": "max"})  # fmt: skip
         dt = time.perf_counter() - t0
-        t_train += dt
+        train_s += dt
         metrics = {"step": step, "loss": g["loss"] / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
                    "tokens_per_s": g["n_in"] / dt, "mem_peak_mb": g["mem_peak_mb"],
-                   "elapsed_s": time.perf_counter() - t_start, "train_s": t_train}
-        out_of_time = cfg.max_minutes > 0 and any_rank(t_train > cfg.max_minutes * 60, d)
+                   "train_s": train_s, "wall_s": time.perf_counter() - t_start}
+        out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
 
         # --- held-out eval (every rank takes part), early stop --------------------------------------------------------
         stop = False
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
             summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  dist=d, seed=cfg.seed, dtype=cfg.dtype)  # fmt: skip
+                                  device=d.device, seed=cfg.seed, dtype=cfg.dtype)  # fmt: skip
             pass1 = summary["pass@1"]
             metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
             history.append(pass1)
@@ -407,8 +410,8 @@ def main(argv=None):
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
         if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {"data_position": step * cfg.global_batch, "elapsed_s": metrics["elapsed_s"],
-                           "stopped": stopped, "eval_history": history, "t_train": t_train}
+            train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
+                           "stopped": stopped, "eval_history": history, "train_s": train_s}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
                                    config=asdict(cfg))
         if stopped:

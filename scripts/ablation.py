@@ -121,14 +121,15 @@ def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
 def summarize(metrics: list[dict], marks: list[float], by_minutes: bool) -> dict:
     """One run's numbers: pass@1 at each mark (newest eval at or before it; None before the first), and the
     per-step means of frac_zero_std / clip_low / clip_high."""
+    minutes = lambda m: m.get("train_s", m.get("elapsed_s")) / 60  # training time ("elapsed_s": older grpo.py)
     evals = [m for m in metrics if "eval_pass1" in m]
     at = []
     for mark in marks:
-        seen = [m["eval_pass1"] for m in evals if (m["elapsed_s"] / 60 if by_minutes else m["step"]) <= mark + 1e-9]
+        seen = [m["eval_pass1"] for m in evals if (minutes(m) if by_minutes else m["step"]) <= mark + 1e-9]
         at.append(seen[-1] if seen else None)
     mean = lambda k: sum(m[k] for m in metrics) / len(metrics)
     return {"pass1": at, "zero_std": mean("frac_zero_std"), "clip_low": mean("clip_low"),
-            "clip_high": mean("clip_high"), "steps": metrics[-1]["step"], "minutes": metrics[-1]["elapsed_s"] / 60}
+            "clip_high": mean("clip_high"), "steps": metrics[-1]["step"], "minutes": minutes(metrics[-1])}
 
 
 def spread(xs: list, digits: int = 3) -> str:

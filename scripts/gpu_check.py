@@ -187,7 +187,8 @@ def train_runs(path, work: Path, device, tiny) -> list[dict]:
             row = dict(check="train", stage=stage, dist=dist, steps=len(m), wall_s=wall,
                        mem_peak_mb=max(x["mem_peak_mb"] for x in m))  # fmt: skip
             if stage == "sft":
-                t_steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m, m[1:])] or [m[0]["elapsed_s"]]
+                wall = [x.get("wall_s", x.get("elapsed_s")) for x in m]  # wall time ("elapsed_s": older sft.py)
+                t_steps = [b - a for a, b in zip(wall, wall[1:])] or wall[:1]
                 row.update(s_per_step=statistics.mean(t_steps), tokens_per_s=statistics.mean(x["tokens_per_s"]
                                                                                           for x in later))
             else:

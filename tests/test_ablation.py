@@ -17,7 +17,7 @@ def _metrics(evals: dict, n=6, zero=0.5, clip=0.1):
     """n steps, 30 s of training each; evals {step: pass@1}."""
     rows = []
     for s in range(1, n + 1):
-        m = {"step": s, "elapsed_s": 30.0 * s, "frac_zero_std": zero, "clip_low": clip, "clip_high": 2 * clip}
+        m = {"step": s, "train_s": 30.0 * s, "frac_zero_std": zero, "clip_low": clip, "clip_high": 2 * clip}
         if s in evals:
             m["eval_pass1"] = evals[s]
         rows.append(m)

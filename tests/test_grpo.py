@@ -200,8 +200,6 @@ def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
     clip rule written out; the reported sums are over both passes / mu."""
     import copy
 
-    from common import Dist
-
     model, tok, cfg, prompts = _tiny_rollout(tiny_dir, mu=2, lr=3e-2, epsilon=0.05, epsilon_high=0.05,
                                              train_micro_batch=64)  # fmt: skip
     torch.manual_seed(0)
@@ -218,7 +216,7 @@ def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
         c = copy.copy(cfg)
         c.mu = mu
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=0.0)
-        return grpo.update(m, None, opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, c, Dist(), 1)
+        return grpo.update(m, None, opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, c, 1)
 
     before, after_one = copy.deepcopy(model), copy.deepcopy(model)
     run(after_one, 1)

@@ -692,7 +692,6 @@ def check_finite(step: int, grad_norm, out_dir) -> None:
     """Stop the run at a non-finite loss/gradient, before the optimizer step writes NaN into the weights: nothing of
     this step is saved, and the newest checkpoint stays the one a restart continues from. (grad_norm is the global
     norm, the same on every rank, so every rank stops together.)"""
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
     if torch.isfinite(grad_norm):
         return
     ckpt = find_latest(out_dir)

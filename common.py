@@ -7,6 +7,7 @@ JSONL metrics, DDP / FSDP2 wrapping, metric all-reduce and the LR schedule.
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import json
@@ -101,6 +102,13 @@ def cleanup_dist():
     if tdist.is_initialized():
         tdist.barrier()  # every rank done with the group (rank 0 may still be writing): a lone destroy can abort gloo
         tdist.destroy_process_group()
+
+
+def free_main_objects():
+    """Call after a script's main() returns: frees its objects while the interpreter is still whole. DDP / FSDP
+    modules hold the gloo group in reference cycles; left to interpreter shutdown, gloo's threads can abort a
+    finished run (SIGABRT, "terminate called without an active exception")."""
+    gc.collect()
 
 
 def is_dist() -> bool:
@@ -473,6 +481,13 @@ def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> lis
         out.append(sorted(cur))
     n = int(all_reduce_named({"n": len(out)}, {"n": "max"})["n"])
     return out + [[] for _ in range(n - len(out))]
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip the gradients' global norm to max_norm; returns the norm before clipping as a plain tensor (FSDP2's
+    clip_grad_norm_ returns a DTensor: the global norm, replicated)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def grad_sync(model, last: bool):

@@ -21,7 +21,6 @@ Metrics (per problem with n samples of which c are correct, averaged over proble
 Simplifications: no per-problem generators (a batch shares one), no answer-equivalence beyond rewards.py's.
 """
 
-import gc
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from common import (
     check_flags,
     check_precision,
     cleanup_dist,
+    free_main_objects,
     init_dist,
     is_dist,
     make_generator,
@@ -211,7 +211,7 @@ def main(argv=None):
     cfg = parse_config(EvalConfig, argv)
     rewards.check_tolerance(cfg.reward_tolerance)
     d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)
+    torch.set_flush_denormal(True)  # as sft.py and grpo.py: the same numbers
     check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
                 at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
     check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
@@ -271,7 +271,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # Free main's objects (DDP/FSDP modules hold the gloo group in reference cycles) while the interpreter is still
-    # whole; left to interpreter shutdown, gloo's threads can abort the process after a finished run (SIGABRT,
-    # "terminate called without an active exception", seen once in CI on torch 2.13).
-    gc.collect()
+    free_main_objects()

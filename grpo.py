@@ -28,7 +28,6 @@ Simplifications, stated up front:
   - advantages use the *sample* std (unbiased, like torch.std) plus eps=1e-4 when --scale_rewards=group.
 """
 
-import gc
 import math
 import os
 import time
@@ -56,6 +55,8 @@ from common import (
     check_flags,
     check_precision,
     cleanup_dist,
+    clip_grad_norm,
+    free_main_objects,
     grad_sync,
     init_dist,
     lora_estimate_args,
@@ -418,7 +419,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                 sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
                 stats.append(torch.stack([x * first_pass for x in sums]
                                          + [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip)
         check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -426,7 +427,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     for row in torch.stack(stats).tolist() if stats else []:  # one device -> host copy; summed in order
         for name, v in zip(UPDATE_STATS, row):
             out[name] += v
-    return {**out, "grad_norm": _local(grad_norm).item()}
+    return {**out, "grad_norm": grad_norm.item()}
 
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
@@ -483,12 +484,13 @@ def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str
 def main(argv=None):
     cfg = parse_config(GRPOConfig, argv)
     d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)  # a tiny-model run once stalled on denormals without this
+    torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
     seed_all(cfg.seed, d.rank)
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
     check_flags(cfg, at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu", "steps"),
-                at_least_0=("top_k", "warmup", "eval_every", "save_every", "keep", "log_samples", "max_minutes",
-                            "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
+                at_least_0=("train_micro_batch", "micro_batch_tokens", "top_k", "warmup", "eval_every",
+                            "save_every", "keep", "log_samples", "max_minutes", "beta", "weight_decay", "epsilon",
+                            "epsilon_high", "grad_clip", "progress_every"),
                 positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
@@ -499,9 +501,6 @@ def main(argv=None):
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
     check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
-    if min(cfg.train_micro_batch, cfg.micro_batch_tokens) < 0:
-        bad = "--train_micro_batch" if cfg.train_micro_batch < 0 else "--micro_batch_tokens"
-        raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     with user_input("--reward_weights"):
         weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     check_precision(cfg.dtype, cfg.weights_dtype)
@@ -514,7 +513,7 @@ def main(argv=None):
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)  # no stop token at all: an error naming the dir
     max_pos = model_cfg.max_position_embeddings
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
-        knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
+        knobs = parse_knobs(cfg.task_knobs)
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
         eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
@@ -534,7 +533,7 @@ def main(argv=None):
 
     # --- model, reference --------------------------------------------------------------------------------------
     with user_input("--init"):  # no weights, a truncated safetensors file, weights that do not fit config.json
-        base_dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else weights_dtype  # the base's dtype
+        base_dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else weights_dtype  # the base's dtype
         model = load_model(cfg.init, device=d.device, dtype=base_dtype, size_limits=cfg.size_limits)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
@@ -654,11 +653,6 @@ def _slice(inputs, targets, pos, ix, L: int):
     return inputs[ix, :L], targets[ix, :L].clamp(min=0), pos[ix].clamp(max=L - 1)
 
 
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """FSDP2's clip_grad_norm_ returns a DTensor (the global norm, replicated): its local value."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
 def _permutation_stream(n: int, seed: int):
     """i -> the i-th prompt of a stream of seeded permutations of range(n) (a new permutation each epoch)."""
     cache = {}
@@ -674,7 +668,4 @@ def _permutation_stream(n: int, seed: int):
 
 if __name__ == "__main__":
     main()
-    # Free main's objects (DDP/FSDP modules hold the gloo group in reference cycles) while the interpreter is still
-    # whole; left to interpreter shutdown, gloo's threads can abort the process after a finished run (SIGABRT,
-    # "terminate called without an active exception", seen once in CI on torch 2.13).
-    gc.collect()
+    free_main_objects()

@@ -50,7 +50,6 @@ Simplifications: no sequence packing (each micro-batch pads to its longest row; 
 the loss is a plain token mean over the global batch (long solutions weigh more).
 """
 
-import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,6 +79,8 @@ from common import (
     check_flags,
     check_precision,
     cleanup_dist,
+    clip_grad_norm,
+    free_main_objects,
     grad_sync,
     init_dist,
     lora_estimate_args,
@@ -238,19 +239,16 @@ def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, de
 def main(argv=None):
     cfg = parse_config(SFTConfig, argv)
     d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)  # a tiny-model run once stalled for minutes on denormal floats without this
+    torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
     W = d.world_size
     check_flags(cfg, at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
-                at_least_0=("warmup", "eval_every", "save_every", "keep", "max_minutes", "grad_clip", "weight_decay",
-                            "progress_every"),
+                at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every", "keep",
+                            "max_minutes", "grad_clip", "weight_decay", "progress_every"),
                 positive=("lr", "dist_timeout"))
     check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
     per_rank = cfg.global_batch // W
-    if min(cfg.micro_batch, cfg.micro_batch_tokens) < 0:
-        bad = "--micro_batch" if cfg.micro_batch < 0 else "--micro_batch_tokens"
-        raise SystemExit(f"error: {bad} {getattr(cfg, bad[2:])}: need >= 0 (0 = no limit)")
     check_precision(cfg.dtype, cfg.weights_dtype)
 
     # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
@@ -311,14 +309,14 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
     if cfg.init is not None:
         with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
-            dtype = getattr(torch, cfg.lora_base_dtype) if cfg.lora_rank else DTYPES[cfg.weights_dtype]
+            dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else DTYPES[cfg.weights_dtype]
             model = model_lib.load_model(path, device=d.device, dtype=dtype, size_limits=cfg.size_limits)
     else:
         model = model_lib.Transformer(model_cfg).to(d.device, DTYPES[cfg.weights_dtype])
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
-                               seed=cfg.seed, base_dtype=getattr(torch, cfg.lora_base_dtype), base=cfg.init)
+                               seed=cfg.seed, base_dtype=DTYPES[cfg.lora_base_dtype], base=cfg.init)
     seed_all(cfg.seed, d.rank)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -355,9 +353,9 @@ def main(argv=None):
     # ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
     train_s = state.get("train_s", state.get("t_train", 0.0))
     t_start = time.perf_counter() - state.get("wall_s", state.get("elapsed_s", 0.0))
-    first = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
+    start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
     bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main, every_s=cfg.progress_every)
-    for step in range(first, cfg.steps + 1):
+    for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
@@ -377,8 +375,7 @@ def main(argv=None):
                 (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
             losses.append(loss.detach())
             n_in += sum(len(ids) - 1 for ids, _ in micro)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+        grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, nothing of this step saved
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -437,7 +434,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # Free main's objects (DDP/FSDP modules hold the gloo group in reference cycles) while the interpreter is still
-    # whole; left to interpreter shutdown, gloo's threads can abort the process after a finished run (SIGABRT,
-    # "terminate called without an active exception", seen once in CI on torch 2.13).
-    gc.collect()
+    free_main_objects()

@@ -110,7 +110,7 @@ def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
     from model import load_model, load_tokenizer
 
     cfg = parse_config(GRPOConfig, run_flags)
-    knobs = parse_knobs(cfg.task_knobs) if cfg.task_knobs else {}
+    knobs = parse_knobs(cfg.task_knobs)
     rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
     summary, _ = evaluate(load_model(init), load_tokenizer(init), rows, template=cfg.template,
                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)  # fmt: skip

@@ -1,6 +1,6 @@
 """Sampler benchmark: sampler.generate vs transformers' generate on the same weights.
 
-    python bench.py            # tiny and 25m presets, CPU (and CUDA when present); ~2 minutes on 2 idle cores
+    python bench.py            # tiny and 25m presets, CPU (and CUDA when present)
     python bench.py --quick    # fewer repetitions
 
 Both sides get the same checkpoint (save_model, then AutoModelForCausalLM.from_pretrained), the same 64 ragged

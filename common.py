@@ -61,7 +61,7 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
     if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps one store for all restarts, and the restarted group can read the dead group's addresses
-        # and hang in init_process_group (pytorch/pytorch#135712; seen on torch 2.13 + gloo)
+        # and hang in init_process_group (pytorch/pytorch#135712)
         print(f"warning: torchrun --max-restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} with torchrun's shared "
               "TCP store: a restarted group can hang at start; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
               "(run_multinode.sh sets it)", file=sys.stderr, flush=True)  # fmt: skip
@@ -77,8 +77,8 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
 
 
 def _explain_collective_timeouts(rank: int, timeout_s: float):
-    """After the usual traceback of a timed-out collective, say which one and what it means. (gloo in torch 2.13 only
-    says "Timed out waiting 600000ms for recv operation to complete"; NCCL's watchdog names the op itself.)"""
+    """After the usual traceback of a timed-out collective, say which one and what it means. (gloo's own message
+    only says "Timed out waiting ...ms for recv operation to complete"; NCCL's watchdog names the op itself.)"""
     previous, torch_dir = sys.excepthook, os.path.dirname(torch.__file__)
 
     def hook(kind, err, tb):

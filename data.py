@@ -31,9 +31,9 @@ from rewards import MAX_ANSWER_CHARS, last_boxed
 TEMPLATES = ("r1", "short", "chat")
 THINK = "<think>"
 
-# Built-in task knobs. Defaults: three 2-digit operands with + and -, no negative intermediate results, which is
-# about the difficulty a ~1M-param char-level model learns on CPU (the lead's a+b+c demo: ~16% after SFT, ~40% after
-# GRPO). The problem space (~2.9M expressions at default) is split by a hash of the expression: 1 in TEST_BUCKETS goes
+# Built-in task knobs. Defaults: three 2-digit operands with + and -, no negative intermediate results: a difficulty
+# the char-level demo model (model.py's `demo` preset) learns on CPU (the README's demo section has the numbers).
+# The problem space (~2.9M expressions at default) is split by a hash of the expression: 1 in TEST_BUCKETS goes
 # to test, the rest to train, so train and test never share a question, whatever the sizes or seeds.
 ARITH_DEFAULTS = {
     "steps": 2,  # operations per problem (operands = steps + 1); one solution line per operation

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 # and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
 LOGITS_CHUNK = 2**24
 MIN_CHUNK_TOKENS = 64
-RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, measured on CPU
+RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, on CPU
 
 
 @dataclass(kw_only=True)
@@ -167,7 +167,7 @@ PRESETS = {
     # here moves the step at which SFT lands in GRPO's band; tests/test_demo.py guards it
     "demo": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True),
-    # small enough that GRPO samples 128 rows x 80 tokens per step on 2 CPU cores
+    # a small 4-layer model for benchmarks (bench.py) and quick CPU runs
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True),
     "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -261,7 +261,7 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)  # (B, S, Hkv, D), S = slots filled so far
         # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
-        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask), 30% faster on CPU
+        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask; faster on CPU)
             y = F.scaled_dot_product_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,

@@ -25,12 +25,11 @@ stops once --stop_patience consecutive held-out evaluations (every --eval_every 
 one lucky eval is not enough. A run that never gets there says so in one line at the end (demo.sh then stops before
 GRPO, which cannot learn from a start whose samples are almost all wrong).
 
-The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated together: on 1,000
-worked solutions the tiny model either memorises them or learns the arithmetic, and which one happens used to
-depend on the seed and on the CPU's floating-point path. Weight decay 1.0 at a constant learning rate makes it learn
-the arithmetic (strong decay penalises the large weights a lookup table needs) and keeps the trajectory independent
-of --steps, so a run resumed with more --steps continues the same one. The README's demo table has the
-measurements, over seeds and floating-point paths; tests/test_demo.py guards them.
+The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated together. A small
+model can memorise its worked solutions instead of learning the arithmetic; weight decay 1.0 at a constant learning
+rate makes it learn the arithmetic (strong decay penalises the large weights a lookup table needs) and keeps the
+trajectory independent of --steps, so a run resumed with more --steps continues the same one. The README's demo
+section has the measurements; tests/test_demo.py guards them.
 
 Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model dir + train
 state), latest, tb/ and wandb_run_id (with --tensorboard / --wandb), and model/ (the final HF model dir: config.json,

@@ -8,7 +8,7 @@ Builds the model (Qwen2.5-0.5B's shape by default, vocab 151,936), gives AdamW o
 save_checkpoint into --out_dir and load_checkpoint into a fresh model + optimizer. Peak RSS is read from the kernel
 (VmHWM), reset before each phase (/proc/self/clear_refs), so each figure is that phase's own peak; "+" is the peak
 above the RSS the phase started from. Works with this checkout's checkpoint.py and with versions that kept the
-checkpoint functions in common.py. Run it alone on a quiet machine: it holds ~9 GB per process at the default shape.
+checkpoint functions in common.py. Run it alone on a quiet machine: at the default shape each process holds several GB.
 """
 
 import argparse

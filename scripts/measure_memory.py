@@ -8,7 +8,7 @@ Writes a random-init HF model dir of the shape (the char tokenizer, the shape's 
 all of it and never stops early, so every completion is --max_new_tokens long, the estimate's worst case), then runs
 grpo.py on it in a child process for --steps steps with a random reward (every group has reward variance, so every
 row trains), one process, fp32, no eval. Prints the estimate, the run's peak RSS (its mem_peak_mb, the kernel's
-ru_maxrss) and their ratio. At the default shape the run holds about 12 GB for a few minutes: run it alone.
+ru_maxrss) and their ratio. At the default shape the run holds several GB for minutes: run it alone.
 """
 
 import argparse

@@ -173,6 +173,11 @@ def all_gather_list(items: list) -> list:
 # config dataclass -> argparse flags
 
 
+def flag(default, help: str, choices: list | None = None):
+    """A config field that parse_config turns into --NAME: its default, its --help line, optional choices."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 def _parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "y", "on"):
         return True

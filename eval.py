@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from common import (
     check_flags,
     check_precision,
     cleanup_dist,
+    flag,
     free_main_objects,
     init_dist,
     is_dist,
@@ -61,41 +62,40 @@ from sampler import generate
 class EvalConfig:
     """Evaluate an HF model directory on a task split (pass@1, pass@k, maj@k, format, length, truncation)."""
     # model and data
-    model: str = field(default="runs/sft/model", metadata={"help": "HF model dir, LoRA adapter dir, or run dir (its "
-                                                                   "latest checkpoint)"})
-    lora_base: str = field(default="", metadata={"help": "for an adapter: its base model dir ('' = the one "
-                                                         "adapter_config.json names)"})
-    lora_merge: bool = field(default=True, metadata={"help": "for an adapter: merge it into the weights before "
-                                                             "sampling (faster; equal to rounding)"})
-    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
-                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
-    task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
-    split: str = field(default="test[:400]", metadata={"help": "problems, e.g. test, test[:400], train[10%:]"})
-    data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
-    data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
-    task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
-    template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    model: str = flag("runs/sft/model", "HF model dir, LoRA adapter dir, or run dir (its latest "
+                      "checkpoint)")
+    lora_base: str = flag("", "for an adapter: its base model dir ('' = the one "
+                          "adapter_config.json names)")
+    lora_merge: bool = flag(True, "for an adapter: merge it into the weights before sampling "
+                            "(faster; equal to rounding)")
+    size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
+                             "MAX_PARAMS); false lifts them")
+    task: str = flag("arith", "arith | gsm8k | math")
+    split: str = flag("test[:400]", "problems, e.g. test, test[:400], train[10%:]")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
+    data_seed: int = flag(0, "seed of the built-in task's problems")
+    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)")
+    template: str = flag("short", "prompt template: short | r1 | chat")
     # generation and metrics
-    max_new_tokens: int = field(default=64, metadata={"help": "completion length limit"})
-    samples: int = field(default=1, metadata={"help": "n samples per problem (>1 adds pass@k / maj@k)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature when --samples > 1"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling when --samples > 1"})
-    pass_k: tuple[int, ...] = field(default=(1, 8), metadata={"help": "k values for pass@k and maj@k (comma list)"})
-    greedy: bool = field(default=True, metadata={"help": "also run greedy pass@1 when --samples > 1"})
-    batch_size: int = field(default=32, metadata={"help": "problems per sampler call (part of the eval's definition)"})
-    reward_tolerance: float = field(default=0.0, metadata={"help": "relative error at which a decimal answer "
-                                                                     "matches an exact one (0 = exact)"})
-    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    max_new_tokens: int = flag(64, "completion length limit")
+    samples: int = flag(1, "n samples per problem (>1 adds pass@k / maj@k)")
+    temperature: float = flag(1.0, "sampling temperature when --samples > 1")
+    top_p: float = flag(1.0, "nucleus sampling when --samples > 1")
+    pass_k: tuple[int, ...] = flag((1, 8), "k values for pass@k and maj@k (comma list)")
+    greedy: bool = flag(True, "also run greedy pass@1 when --samples > 1")
+    batch_size: int = flag(32, "problems per sampler call (part of the eval's definition)")
+    reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
+                                   "one (0 = exact)")
+    seed: int = flag(0, "sampling seed")
     # infrastructure
-    dtype: str = field(default="float32", metadata={"help": "compute dtype (bfloat16: autocast over the weights, "
-                                                      "as in sft.py / grpo.py)", "choices": ["float32", "bfloat16"]})
-    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of the weights (bfloat16 halves "
-                                                            "memory; needs --dtype bfloat16)",
-                                                            "choices": ["float32", "bfloat16"]})
-    out_dir: str = field(default="runs/eval", metadata={"help": "writes summary.json and completions.jsonl here"})
-    dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
-    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
-                                                                  "is a file or pipe (a terminal gets a bar)"})
+    dtype: str = flag("float32", "compute dtype (bfloat16: autocast over the weights, as in sft.py "
+                      "/ grpo.py)", choices=["float32", "bfloat16"])
+    weights_dtype: str = flag("float32", "storage dtype of the weights (bfloat16 halves memory; "
+                              "needs --dtype bfloat16)", choices=["float32", "bfloat16"])
+    out_dir: str = flag("runs/eval", "writes summary.json and completions.jsonl here")
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+    progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
+                                 "or pipe (a terminal gets a bar)")
 
 
 # -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ Simplifications, stated up front:
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -56,6 +56,7 @@ from common import (
     check_precision,
     cleanup_dist,
     clip_grad_norm,
+    flag,
     free_main_objects,
     grad_sync,
     init_dist,
@@ -91,90 +92,89 @@ from sampler import generate
 class GRPOConfig:
     """GRPO from an HF model dir: sample G completions per prompt, score them, update on group advantages."""
     # model and data
-    init: str = field(default="runs/sft/model", metadata={"help": "HF model dir to start from"})
-    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
-                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
-    task: str = field(default="arith", metadata={"help": "task: arith | gsm8k | math"})
-    split: str = field(default="train[5%:]", metadata={"help": "training problems (answers only are used)"})
-    data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
-    task_knobs: str = field(default="", metadata={"help": "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'"})
-    template: str = field(default="short", metadata={"help": "prompt template", "choices": ["short", "r1", "chat"]})
-    eval_split: str = field(default="test[:200]", metadata={"help": "held-out problems for in-loop eval"})
-    out_dir: str = field(default="runs/grpo", metadata={"help": "run directory (config, metrics, checkpoints)"})
+    init: str = flag("runs/sft/model", "HF model dir to start from")
+    size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
+                             "MAX_PARAMS); false lifts them")
+    task: str = flag("arith", "task: arith | gsm8k | math")
+    split: str = flag("train[5%:]", "training problems (answers only are used)")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
+    task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'")
+    template: str = flag("short", "prompt template", choices=["short", "r1", "chat"])
+    eval_split: str = flag("test[:200]", "held-out problems for in-loop eval")
+    out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)")
     # LoRA (off by default: every weight trains)
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base; the "
-                                                       "KL reference is the base itself (0 = off)"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
-    lora_targets: tuple[str, ...] = field(default=LORA_TARGETS,
-                                          metadata={"help": "projections that get adapters (comma list)"})
-    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
-                                                              "choices": ["float32", "bfloat16"]})
+    lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base; the KL "
+                          "reference is the base itself (0 = off)")
+    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
+    lora_targets: tuple[str, ...] = flag(LORA_TARGETS, "projections that get adapters (comma list)")
+    lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
+                                choices=["float32", "bfloat16"])
     # GRPO
-    prompts_per_step: int = field(default=16, metadata={"help": "prompts per step, over all ranks"})
-    group_size: int = field(default=8, metadata={"help": "G: completions sampled per prompt"})
-    max_new_tokens: int = field(default=64, metadata={"help": "completion length limit"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (trainer log-probs use it too)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (<1 makes sampler/trainer log-probs differ)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
-    gen_batch: int = field(default=8, metadata={"help": "prompts per sampler call (x G rows)"})
-    loss: str = field(default="dapo", metadata={"help": "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
-                                                        "denominator | gspo: sequence ratio | cispo: clipped IS weight",
-                                                "choices": ["grpo", "dapo", "dr_grpo", "gspo", "cispo"]})
-    scale_rewards: str = field(default="none", metadata={"help": "advantage scaling: group (divide by std) | none",
-                                                                   "choices": ["group", "none"]})
-    epsilon: float = field(default=0.2, metadata={"help": "PPO clip: lower bound 1 - epsilon"})
-    epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: upper bound 1 + epsilon_high (clip-higher)"})
-    beta: float = field(default=0.0, metadata={"help": "k3 KL weight to the frozen init model (0: no reference model)"})
-    mu: int = field(default=1, metadata={"help": "policy updates per rollout batch"})
-    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling: weight the policy term by "
-                                                          "min(exp(trainer - sampler logp), C) (0 = off)"})
-    filter_zero_std: bool = field(default=True, metadata={"help": "drop groups with all-equal rewards from the loss"})
-    mask_truncated: bool = field(default=False, metadata={"help": "drop truncated completions from the loss"})
-    reward_weights: str = field(default="", metadata={"help": "reward weights, e.g. 'correct=1,format=0.1'"})
-    reward_tolerance: float = field(default=0.0, metadata={"help": "relative error at which a decimal answer "
-                                                                     "matches an exact one (0 = exact)"})
+    prompts_per_step: int = flag(16, "prompts per step, over all ranks")
+    group_size: int = flag(8, "G: completions sampled per prompt")
+    max_new_tokens: int = flag(64, "completion length limit")
+    temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)")
+    top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)")
+    top_k: int = flag(0, "top-k sampling (0 = off)")
+    gen_batch: int = flag(8, "prompts per sampler call (x G rows)")
+    loss: str = flag("dapo", "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
+                     "denominator | gspo: sequence ratio | cispo: clipped IS weight",
+                     choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+    scale_rewards: str = flag("none", "advantage scaling: group (divide by std) | none",
+                              choices=["group", "none"])
+    epsilon: float = flag(0.2, "PPO clip: lower bound 1 - epsilon")
+    epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)")
+    beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)")
+    mu: int = flag(1, "policy updates per rollout batch")
+    tis_cap: float = flag(0.0, "truncated importance sampling: weight the policy term by "
+                          "min(exp(trainer - sampler logp), C) (0 = off)")
+    filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss")
+    mask_truncated: bool = flag(False, "drop truncated completions from the loss")
+    reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'")
+    reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
+                                   "one (0 = exact)")
     # optimisation
-    steps: int = field(default=3000, metadata={"help": "optimizer steps (upper bound when --max_minutes is set)"})
-    max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time (0 = off)"})
-    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
-    warmup: int = field(default=10, metadata={"help": "linear warmup steps"})
-    min_lr_ratio: float = field(default=1.0, metadata={"help": "cosine floor as a fraction of lr (1.0 = constant)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this"})
-    train_micro_batch: int = field(default=64, metadata={"help": "rows per forward/backward, at most (0 = no limit)"})
+    steps: int = flag(3000, "optimizer steps (upper bound when --max_minutes is set)")
+    max_minutes: float = flag(0.0, "stop after this much training wall time (0 = off)")
+    lr: float = flag(1e-4, "peak learning rate")
+    warmup: int = flag(10, "linear warmup steps")
+    min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    beta2: float = flag(0.98, "AdamW beta2")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this")
+    train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)")
     # memory
-    micro_batch_tokens: int = field(default=0, metadata={
-        "help": "padded tokens per forward/backward, at most (rows x longest row; rows grouped by length; 0 = off)"})
-    activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
-    dry_run: bool = field(default=False, metadata={"help": "print the memory estimate per rank and exit"})
+    micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
+                                   "row; rows grouped by length; 0 = off)")
+    activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
+                                          "activations of one block, not all (+1 forward)")
+    dry_run: bool = flag(False, "print the memory estimate per rank and exit")
     # infrastructure
-    dist: str = field(default="ddp", metadata={"help": "data parallelism under torchrun", "choices": ["ddp", "fsdp"]})
-    dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
-    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
-                                                                  "is a file or pipe (a terminal gets a bar)"})
-    dtype: str = field(default="float32", metadata={"help": "compute dtype; bfloat16: bf16 matmuls over fp32 weights "
-                                                      "and AdamW state (autocast, or FSDP2 mixed precision)",
-                                              "choices": ["float32", "bfloat16"]})
-    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of weights and AdamW state; "
-                                                            "bfloat16 halves it but loses small updates (needs "
-                                                            "--dtype bfloat16)", "choices": ["float32", "bfloat16"]})
-    seed: int = field(default=0, metadata={"help": "RL seed (sampling and data order)"})
-    data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
-    eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
-    keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
-    log_samples: int = field(default=2, metadata={"help": "completions per step written to samples.jsonl"})
-    resume: str = field(default="auto", metadata={"help": "auto: continue from the newest checkpoint in --out_dir "
-                                                          "(if any) | none: start fresh | PATH: that checkpoint"})
-    overwrite: bool = field(default=False, metadata={"help": "start over, deleting the run already in --out_dir"})
+    dist: str = flag("ddp", "data parallelism under torchrun", choices=["ddp", "fsdp"])
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+    progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
+                                 "or pipe (a terminal gets a bar)")
+    dtype: str = flag("float32", "compute dtype; bfloat16: bf16 matmuls over fp32 weights and "
+                      "AdamW state (autocast, or FSDP2 mixed precision)",
+                      choices=["float32", "bfloat16"])
+    weights_dtype: str = flag("float32", "storage dtype of weights and AdamW state; bfloat16 "
+                              "halves it but loses small updates (needs --dtype bfloat16)",
+                              choices=["float32", "bfloat16"])
+    seed: int = flag(0, "RL seed (sampling and data order)")
+    data_seed: int = flag(0, "seed of the built-in task's problems")
+    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+    keep: int = flag(2, "checkpoints to keep")
+    log_samples: int = flag(2, "completions per step written to samples.jsonl")
+    resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
+                       "none: start fresh | PATH: that checkpoint")
+    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir")
     # optional loggers (metrics.jsonl is always written)
-    wandb: str = field(default="", metadata={"help": "also log metrics to this Weights & Biases project "
-                                                      "(pip install wandb; WANDB_MODE=offline works)"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to OUT/tb "
-                                                                "(pip install tensorboard)"})
+    wandb: str = flag("", "also log metrics to this Weights & Biases project (pip install wandb; "
+                      "WANDB_MODE=offline works)")
+    tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
+                             "tensorboard)")
 
 
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape, the

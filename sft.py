@@ -51,7 +51,7 @@ the loss is a plain token mean over the global batch (long solutions weigh more)
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -79,6 +79,7 @@ from common import (
     check_precision,
     cleanup_dist,
     clip_grad_norm,
+    flag,
     free_main_objects,
     grad_sync,
     init_dist,
@@ -101,77 +102,76 @@ from eval import evaluate
 class SFTConfig:
     """Supervised fine-tuning on worked solutions (loss on completion tokens only)."""
     # model
-    init: str | None = field(default=None, metadata={"help": "HF model dir to start from (none: fresh --model preset)"})
-    model: str = field(default="demo", metadata={"help": "preset for a fresh model with the char tokenizer "
-                                                         "(model.PRESETS)"})
-    model_overrides: str = field(default="", metadata={"help": "changes to the preset, e.g. 'num_hidden_layers=3'"})
-    size_limits: bool = field(default=True, metadata={"help": "refuse model configs past sanity sizes (model.py "
-                                                               "SIZE_LIMITS, MAX_PARAMS); false lifts them"})
+    init: str | None = flag(None, "HF model dir to start from (none: fresh --model preset)")
+    model: str = flag("demo", "preset for a fresh model with the char tokenizer (model.PRESETS)")
+    model_overrides: str = flag("", "changes to the preset, e.g. 'num_hidden_layers=3'")
+    size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
+                             "MAX_PARAMS); false lifts them")
     # data
-    task: str = field(default="arith", metadata={"help": "arith | gsm8k | math"})
-    split: str = field(default="train[:5%]", metadata={"help": "training problems (with worked solutions)"})
-    data_path: str | None = field(default=None, metadata={"help": "local file or dir for gsm8k/math (none: the hub)"})
-    data_seed: int = field(default=0, metadata={"help": "seed of the built-in task's problems"})
-    task_knobs: str = field(default="", metadata={"help": "built-in task knobs, e.g. 'steps=2,high=99' (data.py)"})
-    template: str = field(default="short", metadata={"help": "prompt template: short | r1 | chat"})
+    task: str = flag("arith", "arith | gsm8k | math")
+    split: str = flag("train[:5%]", "training problems (with worked solutions)")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
+    data_seed: int = flag(0, "seed of the built-in task's problems")
+    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)")
+    template: str = flag("short", "prompt template: short | r1 | chat")
     # LoRA (off by default: every weight trains)
-    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r: train low-rank adapters on a frozen base "
-                                                       "(0 = off, full fine-tuning)"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input (training only)"})
-    lora_targets: tuple[str, ...] = field(default=model_lib.LORA_TARGETS,
-                                          metadata={"help": "projections that get adapters (comma list)"})
-    lora_base_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen base weights",
-                                                              "choices": ["float32", "bfloat16"]})
+    lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base (0 = off, full "
+                          "fine-tuning)")
+    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
+    lora_targets: tuple[str, ...] = flag(model_lib.LORA_TARGETS,
+                                         "projections that get adapters (comma list)")
+    lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
+                                choices=["float32", "bfloat16"])
     # optimisation
-    global_batch: int = field(default=32, metadata={"help": "sequences per optimizer step, over all ranks"})
-    micro_batch: int = field(default=16, metadata={"help": "sequences per forward/backward, at most (0 = no limit)"})
-    steps: int = field(default=8000, metadata={"help": "optimizer steps (an upper bound with --stop_pass1)"})
-    max_minutes: float = field(default=0.0, metadata={"help": "stop after this much training wall time, eval "
-                                                             "excluded (0 = off)"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
-    warmup: int = field(default=50, metadata={"help": "linear warmup steps"})
-    min_lr_ratio: float = field(default=1.0, metadata={"help": "cosine floor at --steps, as a fraction of --lr "
-                                                                "(1.0 = constant after warmup)"})
-    weight_decay: float = field(default=1.0, metadata={"help": "AdamW weight decay (matrices only)"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip the global grad norm to this (0 = off)"})
-    seed: int = field(default=0, metadata={"help": "seed of the init and the data order"})
+    global_batch: int = flag(32, "sequences per optimizer step, over all ranks")
+    micro_batch: int = flag(16, "sequences per forward/backward, at most (0 = no limit)")
+    steps: int = flag(8000, "optimizer steps (an upper bound with --stop_pass1)")
+    max_minutes: float = flag(0.0, "stop after this much training wall time, eval excluded (0 = "
+                              "off)")
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int = flag(50, "linear warmup steps")
+    min_lr_ratio: float = flag(1.0, "cosine floor at --steps, as a fraction of --lr (1.0 = "
+                               "constant after warmup)")
+    weight_decay: float = flag(1.0, "AdamW weight decay (matrices only)")
+    beta1: float = flag(0.9, "AdamW beta1")
+    beta2: float = flag(0.98, "AdamW beta2")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)")
+    seed: int = flag(0, "seed of the init and the data order")
     # memory
-    micro_batch_tokens: int = field(default=0, metadata={
-        "help": "padded tokens per forward/backward, at most (rows x longest row; rows grouped by length; 0 = off)"})
-    activation_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute each transformer block in backward: activations of one block, not all (+1 forward)"})
-    dry_run: bool = field(default=False, metadata={"help": "print the memory estimate per rank and exit"})
+    micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
+                                   "row; rows grouped by length; 0 = off)")
+    activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
+                                          "activations of one block, not all (+1 forward)")
+    dry_run: bool = flag(False, "print the memory estimate per rank and exit")
     # held-out evaluation and stopping
-    eval_every: int = field(default=50, metadata={"help": "evaluate held-out greedy pass@1 every N steps (0 = off)"})
-    eval_split: str = field(default="test[-200:]", metadata={"help": "held-out problems for the in-loop eval"})
-    max_new_tokens: int = field(default=64, metadata={"help": "completion length limit in the in-loop eval"})
-    stop_pass1: float = field(default=0.15, metadata={"help": "stop once held-out pass@1 >= this (0 = run --steps)"})
-    stop_patience: int = field(default=2, metadata={"help": "... in this many consecutive evals (filters lucky ones)"})
+    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
+    eval_split: str = flag("test[-200:]", "held-out problems for the in-loop eval")
+    max_new_tokens: int = flag(64, "completion length limit in the in-loop eval")
+    stop_pass1: float = flag(0.15, "stop once held-out pass@1 >= this (0 = run --steps)")
+    stop_patience: int = flag(2, "... in this many consecutive evals (filters lucky ones)")
     # infrastructure
-    dist: str = field(default="ddp", metadata={"help": "under torchrun: ddp | fsdp", "choices": ["ddp", "fsdp"]})
-    dist_timeout: float = field(default=600.0, metadata={"help": "seconds before a stuck collective fails"})
-    dtype: str = field(default="float32", metadata={"help": "compute dtype; bfloat16: bf16 matmuls over fp32 weights "
-                                                      "and AdamW state (autocast, or FSDP2 mixed precision)",
-                                              "choices": ["float32", "bfloat16"]})
-    weights_dtype: str = field(default="float32", metadata={"help": "storage dtype of weights and AdamW state; "
-                                                            "bfloat16 halves it but loses small updates (needs "
-                                                            "--dtype bfloat16)", "choices": ["float32", "bfloat16"]})
-    progress_every: float = field(default=30.0, metadata={"help": "seconds between progress lines when the output "
-                                                                  "is a file or pipe (a terminal gets a bar)"})
-    out_dir: str = field(default="runs/sft", metadata={"help": "run directory; the final model goes to OUT/model"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
-    keep: int = field(default=2, metadata={"help": "checkpoints to keep"})
-    resume: str = field(default="auto", metadata={"help": "auto: continue from the newest checkpoint in --out_dir "
-                                                          "(if any) | none: start fresh | PATH: that checkpoint"})
-    overwrite: bool = field(default=False, metadata={"help": "start over, deleting the run already in --out_dir"})
+    dist: str = flag("ddp", "under torchrun: ddp | fsdp", choices=["ddp", "fsdp"])
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+    dtype: str = flag("float32", "compute dtype; bfloat16: bf16 matmuls over fp32 weights and "
+                      "AdamW state (autocast, or FSDP2 mixed precision)",
+                      choices=["float32", "bfloat16"])
+    weights_dtype: str = flag("float32", "storage dtype of weights and AdamW state; bfloat16 "
+                              "halves it but loses small updates (needs --dtype bfloat16)",
+                              choices=["float32", "bfloat16"])
+    progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
+                                 "or pipe (a terminal gets a bar)")
+    out_dir: str = flag("runs/sft", "run directory; the final model goes to OUT/model")
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+    keep: int = flag(2, "checkpoints to keep")
+    resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
+                       "none: start fresh | PATH: that checkpoint")
+    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir")
     # optional loggers (metrics.jsonl is always written)
-    wandb: str = field(default="", metadata={"help": "also log metrics to this Weights & Biases project "
-                                                      "(pip install wandb; WANDB_MODE=offline works)"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to OUT/tb "
-                                                                "(pip install tensorboard)"})
+    wandb: str = flag("", "also log metrics to this Weights & Biases project (pip install wandb; "
+                      "WANDB_MODE=offline works)")
+    tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
+                             "tensorboard)")
 
 
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch, the stored

@@ -25,13 +25,13 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import parse_config  # noqa: E402
+from common import flag, parse_config  # noqa: E402
 
 # per variant, what its paper uses where the shared defaults would misrepresent it
 VARIANT_FLAGS = {
@@ -44,24 +44,24 @@ VARIANT_FLAGS = {
 class AblationConfig:
     """Run loss variants x seeds of grpo.py from one SFT start and print the comparison table."""
     # the start
-    init: str = field(default="", metadata={"help": "SFT model dir every run starts from (empty: train one with "
-                                                    "sft.py into OUT/sft, with --sft_flags)"})
-    sft_flags: str = field(default="", metadata={"help": "sft.py flags when it trains the start, e.g. '--steps 60'"})
+    init: str = flag("", "SFT model dir every run starts from (empty: train one with sft.py into "
+                     "OUT/sft, with --sft_flags)")
+    sft_flags: str = flag("", "sft.py flags when it trains the start, e.g. '--steps 60'")
     # the grid and the budget
-    variants: str = field(default="grpo,dapo,dr_grpo,gspo,cispo", metadata={"help": "--loss values, comma-separated"})
-    seeds: str = field(default="0,1,2", metadata={"help": "grpo.py --seed values, comma-separated"})
-    minutes: float = field(default=5.0, metadata={"help": "training minutes per run (used when --steps is 0)"})
-    steps: int = field(default=0, metadata={"help": "a step budget per run instead of --minutes (0 = minutes)"})
-    marks: str = field(default="", metadata={"help": "where the table reads pass@1: minutes, or steps with --steps "
-                                                     "(default: 5 evenly spaced up to the budget)"})
-    eval_every: int = field(default=10, metadata={"help": "steps between held-out evals in each run"})
-    grpo_flags: str = field(default="--mu 2", metadata={"help": "extra grpo.py flags for every run"})
-    nproc: int = field(default=1, metadata={"help": "processes per run (torchrun when > 1)"})
-    jobs: int = field(default=1, metadata={"help": "runs at once, each with OMP_NUM_THREADS = cores / (jobs x "
-                                                 "nproc) unless set (1 = one after another)"})
+    variants: str = flag("grpo,dapo,dr_grpo,gspo,cispo", "--loss values, comma-separated")
+    seeds: str = flag("0,1,2", "grpo.py --seed values, comma-separated")
+    minutes: float = flag(5.0, "training minutes per run (used when --steps is 0)")
+    steps: int = flag(0, "a step budget per run instead of --minutes (0 = minutes)")
+    marks: str = flag("", "where the table reads pass@1: minutes, or steps with --steps (default: "
+                      "5 evenly spaced up to the budget)")
+    eval_every: int = flag(10, "steps between held-out evals in each run")
+    grpo_flags: str = flag("--mu 2", "extra grpo.py flags for every run")
+    nproc: int = flag(1, "processes per run (torchrun when > 1)")
+    jobs: int = flag(1, "runs at once, each with OMP_NUM_THREADS = cores / (jobs x nproc) unless "
+                     "set (1 = one after another)")
     # output
-    out: str = field(default="runs/ablation", metadata={"help": "folder of the runs and table.md"})
-    table_only: bool = field(default=False, metadata={"help": "only print the table of the runs already in --out"})
+    out: str = flag("runs/ablation", "folder of the runs and table.md")
+    table_only: bool = flag(False, "only print the table of the runs already in --out")
 
 
 def command(script: str, flags: list[str], nproc: int) -> list[str]:

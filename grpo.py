@@ -15,11 +15,11 @@ Launch:
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts=3 --nproc_per_node=2 grpo.py ...
                                                             # a dead worker restarts the group, which resumes
 
-Resume: run the same command again and it continues from the newest complete checkpoint in --out_dir (--resume auto,
-the default; --resume PATH: a given checkpoint; --overwrite: start over). Step s's prompts and sampler generators are
-derived from (seed, step, prompt index), and a checkpoint holds weights, full optimizer state, every rank's RNG states
-and the training clock, so the continuation is bitwise the uninterrupted run; metrics/samples.jsonl are cut back to
-the checkpoint's step first.
+Resume: run the same command again and it continues from the newest complete checkpoint in --out_dir
+(--resume auto, the default; --resume PATH: a given checkpoint; --overwrite: start over). Step s's
+prompts and sampler generators are derived from (seed, step, prompt index), and a checkpoint holds
+weights, full optimizer state, every rank's RNG states and the training clock, so the continuation
+is bitwise the uninterrupted run; metrics/samples.jsonl are cut back to the checkpoint's step first.
 
 Simplifications, stated up front:
   - one rollout -> mu policy updates (default 1: the ratio is exactly 1 and no old-log-prob forward is needed);
@@ -90,7 +90,8 @@ from sampler import generate
 
 @dataclass
 class GRPOConfig:
-    """GRPO from an HF model dir: sample G completions per prompt, score them, update on group advantages."""
+    """GRPO from an HF model dir: sample G completions per prompt, score them, update on group
+    advantages."""
     # model and data
     init: str = flag("runs/sft/model", "HF model dir to start from")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
@@ -177,22 +178,23 @@ class GRPOConfig:
                              "tensorboard)")
 
 
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch shape, the
-# stored weights' dtype): --resume refuses a checkpoint that differs in these; other flags (lr, steps, loss, dist,
-# world size, the compute --dtype, ...) may change
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
+# batch shape, the stored weights' dtype): --resume refuses a checkpoint that differs in these;
+# other flags (lr, steps, loss, dist, world size, the compute --dtype, ...) may change
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
                      "group_size", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
                      "lora_base_dtype")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # The math: pure functions, tensors in and out
 
 
 def group_advantages(r: torch.Tensor, scale: str, eps: float = 1e-4) -> torch.Tensor:
-    """r: (P, G) rewards -> (P, G) advantages r - mean(r), divided by (sample std + eps) when scale == 'group'.
-    A group whose rewards are all equal gets exactly 0: the fp32 mean of G equal values can miss them in the last
-    bit (G=12 rewards of 1.1: 1.2e-7), which / eps would turn into a real advantage."""
+    """r: (P, G) rewards -> (P, G) advantages r - mean(r), divided by (sample std + eps) when
+    scale == 'group'. A group whose rewards are all equal gets exactly 0: the fp32 mean of G equal
+    values can miss them in the last bit (G=12 rewards of 1.1: 1.2e-7), which / eps would turn into
+    a real advantage."""
     adv = r - r.mean(dim=1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + eps)  # unbiased std, like torch.std / TRL
@@ -204,27 +206,31 @@ def token_weights(mask: torch.Tensor, loss: str, n_seqs: float, n_tokens: float,
                   max_len: int) -> torch.Tensor:
     """Per-token weight w so that the batch loss is sum(w * l).
 
-    mask: (N, T) float, 1 on completion tokens that count. n_seqs / n_tokens are the *global* counts of counted
-    completions / tokens (all ranks), so N ranks together compute the loss of one process on the whole batch;
-    n_rows counts every completion of the step's batch, filtered or not (dr_grpo's constant denominator).
+    mask: (N, T) float, 1 on completion tokens that count. n_seqs / n_tokens are the *global* counts
+    of counted completions / tokens (all ranks), so N ranks together compute the loss of one process
+    on the whole batch; n_rows counts every completion of the step's batch, filtered or not
+    (dr_grpo's constant denominator).
     """
     if loss in ("grpo", "gspo"):  # mean over each completion's tokens, then mean over completions
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1) / max(n_seqs, 1)
     if loss in ("dapo", "cispo"):  # token-level mean over the batch
         return mask / max(n_tokens, 1)
-    if loss == "dr_grpo":  # a constant normaliser: no length bias, no dependence on how many rows were filtered
+    # a constant normaliser: no length bias, no dependence on how many rows were filtered
+    if loss == "dr_grpo":
         return mask / (max(n_rows, 1) * max_len)
     raise ValueError(f"--loss {loss!r}: expected grpo, dapo, dr_grpo, gspo or cispo")
 
 
 def policy_loss(logp, old_logp, adv, mask, loss: str, eps_low: float, eps_high: float, tis=None):
-    """Per-token policy term of --loss, l (N, T), and clip stats (N, T). logp/old_logp/mask: (N, T); adv: (N, 1);
-    tis: (N, T) truncated importance weights or None. With lo, hi = 1 - eps_low, 1 + eps_high:
+    """Per-token policy term of --loss, l (N, T), and clip stats (N, T). logp/old_logp/mask: (N, T);
+    adv: (N, 1); tis: (N, T) truncated importance weights or None.
+    With lo, hi = 1 - eps_low, 1 + eps_high:
 
       grpo/dapo/dr_grpo  l_t = -min(rho_t A, clip(rho_t, lo, hi) A),  rho_t = exp(logp_t - old_t)
       gspo               the same with one ratio per sequence, s = exp(mean over its tokens of (logp - old))
       cispo              l_t = -sg(clip(rho_t, lo, hi)) A logp_t  (every token keeps its gradient)
-    and l_t *= tis_t when given. The ratio is read only where mask is 1 (elsewhere 1), so garbage there is inert.
+    and l_t *= tis_t when given. The ratio is read only where mask is 1 (elsewhere 1), so garbage
+    there is inert.
     """
     log_ratio = torch.where(mask > 0, logp - old_logp, 0.0)  # (N, T)
     if loss == "gspo":  # length-normalised sequence log-ratio, broadcast to its tokens
@@ -236,7 +242,8 @@ def policy_loss(logp, old_logp, adv, mask, loss: str, eps_low: float, eps_high: 
         low, high = rho < lo, rho > hi
     else:
         l = -torch.minimum(rho * adv, rho.clamp(lo, hi) * adv)
-        low, high = (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)  # where the clip removed the gradient
+        # where the clip removed the gradient
+        low, high = (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)
     if tis is not None:
         l = l * tis
     stats = {"clip_low": low.float().expand_as(logp), "clip_high": high.float().expand_as(logp)}
@@ -244,25 +251,26 @@ def policy_loss(logp, old_logp, adv, mask, loss: str, eps_low: float, eps_high: 
 
 
 def tis_weights(old_logp, sampler_logp, cap: float):
-    """Truncated importance sampling (N, T): min(exp(old - sampler), cap), a constant. It corrects for the trainer
-    (old_logp) and sampler disagreeing on the sampled tokens (bf16 sampling, top-p / top-k, an inference engine).
-    exp(min(x, log cap)) is the same number and cannot overflow."""
+    """Truncated importance sampling (N, T): min(exp(old - sampler), cap), a constant. It corrects
+    for the trainer (old_logp) and sampler disagreeing on the sampled tokens (bf16 sampling, top-p /
+    top-k, an inference engine). exp(min(x, log cap)) is the same number and cannot overflow."""
     return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap))).detach()
 
 
 def k3_kl(logp, ref_logp, max_log_ratio: float = 20.0):
-    """Per-token k3 KL to the reference, (N, T): exp(d) - d - 1 with d = ref - logp (unbiased, always >= 0).
-    d is clamped to +-max_log_ratio (as verl does), so a padding or garbage position cannot overflow exp() to inf,
-    which times its weight 0 would be NaN, gradients included."""
+    """Per-token k3 KL to the reference, (N, T): exp(d) - d - 1 with d = ref - logp (unbiased,
+    always >= 0). d is clamped to +-max_log_ratio (as verl does), so a padding or garbage position
+    cannot overflow exp() to inf, which times its weight 0 would be NaN, gradients included."""
     d = (ref_logp - logp).clamp(-max_log_ratio, max_log_ratio)
     return torch.exp(d) - d - 1
 
 
 def loss_mask(r: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, filter_zero_std: bool,
               mask_truncated: bool):
-    """Which completion tokens count in the loss. r: (P, G) rewards; mask: (N, Tc) bool sampled tokens (stop token
-    included), N = P * G; truncated: (N,) bool. Returns lmask (N, Tc) float, keep (N,) bool (the completion counts),
-    zero_std (P,) bool (the group's rewards are all equal, so its advantages are exactly 0)."""
+    """Which completion tokens count in the loss. r: (P, G) rewards; mask: (N, Tc) bool sampled
+    tokens (stop token included), N = P * G; truncated: (N,) bool. Returns lmask (N, Tc) float, keep
+    (N,) bool (the completion counts), zero_std (P,) bool (the group's rewards are all equal, so its
+    advantages are exactly 0)."""
     G = r.shape[1]
     zero_std = r.max(1).values == r.min(1).values  # (P,)
     keep = torch.ones_like(truncated)  # (N,)
@@ -273,14 +281,15 @@ def loss_mask(r: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, filt
     return (mask & keep[:, None]).float(), keep, zero_std
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # One step's pieces, in order: rollout -> score -> (advantages, loss mask: above) -> update -> step_metrics.
 # Every tensor lives on the model's device; host-side bookkeeping (text, rewards, row lists) crosses over explicitly.
 
 
 @dataclass
 class Rollout:
-    """G completions of each of this rank's prompts, row = prompt * G + sample; every tensor on the model's device."""
+    """G completions of each of this rank's prompts, row = prompt * G + sample; every tensor on the
+    model's device."""
     tokens: torch.Tensor  # (N, Tc) long, pad_id after the stop token
     mask: torch.Tensor  # (N, Tc) bool, True through the stop token
     logprobs: torch.Tensor  # (N, Tc) fp32, the sampler's log-prob of each token (0 where masked)
@@ -290,24 +299,31 @@ class Rollout:
 
 def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOConfig, eos_ids, pad_id: int,
             device) -> Rollout:
-    """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call. prompts[0] is the
-    step's global prompt number `first`. Each prompt's G rows draw their sampling noise from their own generator,
-    seeded from (seed, step, global prompt number), so any world size and any --gen_batch split draws the same
-    samples."""
+    """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call.
+    prompts[0] is the step's global prompt number `first`. Each prompt's G rows draw their sampling
+    noise from their own generator, seeded from (seed, step, global prompt number), so any world
+    size and any --gen_batch split draws the same samples."""
     model.eval()
     parts = []
     for c in range(0, len(prompts), cfg.gen_batch):
         chunk = prompts[c : c + cfg.gen_batch]
-        # (len(chunk) * G, max_new_tokens) uniforms, row = prompt * G + sample: prompt j's from its own generator
-        gens = [make_generator(cfg.seed, step, first + c + j, device=device) for j in range(len(chunk))]
-        noise = torch.cat([torch.rand(cfg.group_size, cfg.max_new_tokens, generator=g, device=device) for g in gens])
-        with autocast(model, cfg.dtype):  # the trainer's compute dtype, so sampler and trainer log-probs agree
+        # (len(chunk) * G, max_new_tokens) uniforms, row = prompt * G + sample: prompt j's from its
+        # own generator
+        draws = []
+        for j in range(len(chunk)):
+            g = make_generator(cfg.seed, step, first + c + j, device=device)
+            draws.append(torch.rand(cfg.group_size, cfg.max_new_tokens, generator=g, device=device))
+        noise = torch.cat(draws)
+        # the trainer's compute dtype, so sampler and trainer log-probs agree
+        with autocast(model, cfg.dtype):
             gen = generate(
-                model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size, temperature=cfg.temperature,
-                top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id, noise=noise,
+                model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                eos_ids=eos_ids, pad_id=pad_id, noise=noise,
             )  # fmt: skip
         parts.append(gen)
-    Tc = max(g.tokens.shape[1] for g in parts)  # calls stop at different lengths: pad to the longest
+    # calls stop at different lengths: pad to the longest
+    Tc = max(g.tokens.shape[1] for g in parts)
     mask = torch.cat([_pad(g.mask, Tc, False) for g in parts])
     return Rollout(
         tokens=torch.cat([_pad(g.tokens, Tc, pad_id) for g in parts]), mask=mask,
@@ -317,9 +333,9 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
 
 
 def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPOConfig, weights):
-    """Decode and score every completion on the host: the scored response is what the prompt opened ("<think>")
-    + the decoded completion. prefixes/answers: one per prompt. Returns the rewards r (P, G) fp32, moved to the
-    rollout's device once, each completion's reward dict and its text."""
+    """Decode and score every completion on the host: the scored response is what the prompt opened
+    ("<think>") + the decoded completion. prefixes/answers: one per prompt. Returns the rewards r
+    (P, G) fp32, moved to the rollout's device once, each completion's reward dict and its text."""
     G, lengths = cfg.group_size, roll.lengths.tolist()
     rows = [t[:n] for t, n in zip(roll.tokens.tolist(), lengths)]  # one device -> host copy
     texts = tok.batch_decode(rows, skip_special_tokens=True)
@@ -333,13 +349,15 @@ def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPO
 
 
 def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[int], pad_id: int):
-    """Right-padded [prompt + completion] rows and where each completion token's log-prob sits, on comp's device.
+    """Right-padded [prompt + completion] rows and where each completion token's log-prob sits, on
+    comp's device.
 
-    prompts: N token lists; comp: (N, Tc) sampled tokens; n_comp: valid completion length per row (EOS included).
-    Returns inputs (N, L), targets (N, L), pos (N, Tc): the column of inputs whose next-token prediction is
-    completion token t (position len(prompt) - 1 + t, clamped for padding).
+    prompts: N token lists; comp: (N, Tc) sampled tokens; n_comp: valid completion length per row
+    (EOS included). Returns inputs (N, L), targets (N, L), pos (N, Tc): the column of inputs whose
+    next-token prediction is completion token t (position len(prompt) - 1 + t, clamped for padding).
     """
-    rows = [p + c[:n] for p, c, n in zip(prompts, comp.tolist(), n_comp)]  # host lists: one device -> host copy
+    # host lists: one device -> host copy
+    rows = [p + c[:n] for p, c, n in zip(prompts, comp.tolist(), n_comp)]
     L = max(len(r) for r in rows) - 1
     # -1 marks padding in targets (its log-prob is never read)
     inputs = [r[:-1] + [pad_id] * (L + 1 - len(r)) for r in rows]
@@ -351,49 +369,55 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
 
 
 def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str = "float32"):
-    """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached), computed in `dtype`
-    (the log-softmax itself in fp32). The model computes them chunk by chunk, so full (N, L, vocab) fp32 logits
-    never exist."""
+    """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached),
+    computed in `dtype` (the log-softmax itself in fp32). The model computes them chunk by chunk, so
+    full (N, L, vocab) fp32 logits never exist."""
     with autocast(model, dtype):
         return model(inputs, targets=targets, temperature=temperature, target_pos=pos)  # the lm_head at pos only
 
 
-# what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy, logprob_gap), over
-# the KL's tokens of the first pass (ntok_kl, kl), and over the counted tokens of every pass, / mu (clip_*)
+# what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy,
+# logprob_gap), over the KL's tokens of the first pass (ntok_kl, kl), and over the counted tokens of
+# every pass, / mu (clip_*)
 UPDATE_STATS = ("ntok", "entropy", "logprob_gap", "ntok_kl", "kl", "clip_low", "clip_high")
 
 
 def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, sampler_logp, cfg: GRPOConfig,
            step: int) -> dict:
-    """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss) (+ beta *
-    sum(w_kl * k3_kl)), grad clip, optimizer step. batch: training_batch's (inputs, targets, pos); seq_len: each
-    row's real length in it (host); adv (N, 1), lmask / w / sampler_logp (N, Tc), w_kl (N, Tc) or None (beta = 0),
-    all on the model's device.
+    """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss)
+    (+ beta * sum(w_kl * k3_kl)), grad clip, optimizer step. batch: training_batch's (inputs,
+    targets, pos); seq_len: each row's real length in it (host); adv (N, 1), lmask / w /
+    sampler_logp (N, Tc), w_kl (N, Tc) or None (beta = 0), all on the model's device.
 
-    Rows that add no gradient (no KL weight, and no policy weight or advantage 0) are skipped, but every rank runs
-    the same number of micro-batches (collectives must match), a rank without rows one zero-weight row.
-    Returns UPDATE_STATS's sums and the last pass's grad_norm."""
+    Rows that add no gradient (no KL weight, and no policy weight or advantage 0) are skipped, but
+    every rank runs the same number of micro-batches (collectives must match), a rank without rows
+    one zero-weight row. Returns UPDATE_STATS's sums and the last pass's grad_norm."""
     model.train()
     device = lmask.device
     useful = (w.sum(1) > 0) & (adv[:, 0] != 0)  # (N,)
     if w_kl is not None:
         useful |= w_kl.sum(1) > 0
     rows = useful.nonzero()[:, 0].tolist()
-    # length-grouped micro-batches within --train_micro_batch rows / --micro_batch_tokens, as many on every rank
-    groups = micro_batches([seq_len[i] for i in rows], cfg.train_micro_batch, cfg.micro_batch_tokens) or [[]]
+    # length-grouped micro-batches within --train_micro_batch rows / --micro_batch_tokens, as many
+    # on every rank
+    row_lens = [seq_len[i] for i in rows]
+    groups = micro_batches(row_lens, cfg.train_micro_batch, cfg.micro_batch_tokens) or [[]]
     micro = [[rows[j] for j in g] for g in groups]
     n_micro = len(micro)
-    # each micro-batch's row indices on the device, and its columns cut to its longest row (short rows cost less)
+    # each micro-batch's row indices on the device, and its columns cut to its longest row
+    # (short rows cost less)
     ix = [torch.tensor(idx or [0], device=device) for idx in micro]
     cols = [max(seq_len[i] for i in idx or [0]) for idx in micro]
     sliced = [_slice(*batch, ix[k], cols[k]) for k in range(n_micro)]
     old, ref_logp = [None] * n_micro, [None] * n_micro
-    if cfg.mu > 1 or ref is not None:  # old log-probs before the first update; reference log-probs for KL
+    # old log-probs before the first update; reference log-probs for KL
+    if cfg.mu > 1 or ref is not None:
         with torch.no_grad():
             for k in range(n_micro):
                 if cfg.mu > 1:
                     old[k] = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)[0]
-                if ref is not None:  # with LoRA, ref is the policy itself and the base is it without adapters
+                # with LoRA, ref is the policy itself and the base is it without adapters
+                if ref is not None:
                     with adapters_off(ref):
                         ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature, cfg.dtype)[0]
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
@@ -403,28 +427,36 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                 logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
-                tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap) if cfg.tis_cap else None
-                l, st = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss, cfg.epsilon, cfg.epsilon_high, tis)
-                live = 1.0 if idx else 0.0  # the padding micro-batch of a rank without rows adds nothing
+                tis = None
+                if cfg.tis_cap:
+                    tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap)
+                l, st = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss,
+                                    cfg.epsilon, cfg.epsilon_high, tis)
+                # the padding micro-batch of a rank without rows adds nothing
+                live = 1.0 if idx else 0.0
                 loss = (l * w[ix[k]]).sum() * live
                 kl = k3_kl(logp, ref_logp[k]) if ref is not None else None
                 if kl is not None:
                     loss = loss + cfg.beta * (kl * w_kl[ix[k]]).sum() * live
                 loss.backward()
-            if idx:  # diagnostics: the first pass's, and the clip fractions of every pass (the ratio moves after)
+            # diagnostics: the first pass's, and the clip fractions of every pass (the ratio
+            # moves after the first)
+            if idx:
                 first_pass = float(pass_i == 0)
                 gap = (logp.detach() - sampler_logp[ix[k]]).abs()
                 m_kl = (w_kl[ix[k]] > 0).float() if kl is not None else torch.zeros_like(m)
                 kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
                 sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
-                stats.append(torch.stack([x * first_pass for x in sums]
-                                         + [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]))
+                clips = [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]
+                stats.append(torch.stack([x * first_pass for x in sums] + clips))
         grad_norm = clip_grad_norm(model, cfg.grad_clip)
-        check_finite(step, grad_norm, cfg.out_dir)  # NaN/inf: stop before the update, nothing of this step saved
+        # NaN/inf: stop before the update, nothing of this step saved
+        check_finite(step, grad_norm, cfg.out_dir)
         opt.step()
         opt.zero_grad(set_to_none=True)
     out = dict.fromkeys(UPDATE_STATS, 0.0)
-    for row in torch.stack(stats).tolist() if stats else []:  # one device -> host copy; summed in order
+    # one device -> host copy; summed in order
+    for row in torch.stack(stats).tolist() if stats else []:
         for name, v in zip(UPDATE_STATS, row):
             out[name] += v
     return {**out, "grad_norm": grad_norm.item()}
@@ -432,53 +464,77 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
                  device) -> dict:
-    """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add up, the slowest
-    rank sets lengths, generation time and memory (max)."""
+    """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add
+    up, the slowest rank sets lengths, generation time and memory (max)."""
     lengths = roll.lengths.tolist()
     r_sum, r_sq, n_zero, n_trunc = torch.stack([r.sum(), (r**2).sum(), zero_std.sum().float(),
                                                 roll.truncated.sum().float()]).tolist()  # fmt: skip
     comps = sorted(k for k in scores[0] if k != "reward")  # reward components: correct, format, ...
     local = {
-        "n": len(scores), "reward": r_sum, "reward_sq": r_sq, "zero_std": n_zero, "groups": r.shape[0],
-        "len": sum(lengths), "truncated": n_trunc, **{k: stats[k] for k in UPDATE_STATS},
+        "n": len(scores), "reward": r_sum, "reward_sq": r_sq, "zero_std": n_zero,
+        "groups": r.shape[0], "len": sum(lengths), "truncated": n_trunc,
+        **{k: stats[k] for k in UPDATE_STATS},
         **{"comp_" + c: sum(s[c] for s in scores) for c in comps},
         "len_max": max(lengths), "t_generate": times["generate"], "mem_peak_mb": peak_mem_mb(device),
     }  # fmt: skip
     g = all_reduce_named(local, {"len_max": "max", "t_generate": "max", "mem_peak_mb": "max"})
     n, nt = g["n"], max(g["ntok"], 1)
     mean_r = g["reward"] / n
+    reward_var = max(g["reward_sq"] / n - mean_r**2, 0.0)
     return {
-        "step": step, "reward": mean_r, "reward_std": math.sqrt(max(g["reward_sq"] / n - mean_r**2, 0.0)),
+        "step": step,
+        "reward": mean_r,
+        "reward_std": math.sqrt(reward_var),
         **{c: g["comp_" + c] / n for c in comps},
-        "frac_zero_std": g["zero_std"] / g["groups"], "clip_low": g["clip_low"] / nt, "clip_high": g["clip_high"] / nt,
-        "kl": g["kl"] / max(g["ntok_kl"], 1), "entropy": g["entropy"] / nt, "len_mean": g["len"] / n,
+        "frac_zero_std": g["zero_std"] / g["groups"],
+        "clip_low": g["clip_low"] / nt,
+        "clip_high": g["clip_high"] / nt,
+        "kl": g["kl"] / max(g["ntok_kl"], 1),
+        "entropy": g["entropy"] / nt,
+        "len_mean": g["len"] / n,
         "len_max": g["len_max"],
-        "truncated": g["truncated"] / n, "logprob_gap": g["logprob_gap"] / nt, "t_generate": g["t_generate"],
-        "t_score": times["score"], "t_train": times["train"], "tokens_per_s": g["len"] / times["step"],
-        "mem_peak_mb": g["mem_peak_mb"], "lr": lr, "grad_norm": stats["grad_norm"],
-    }  # fmt: skip
+        "truncated": g["truncated"] / n,
+        "logprob_gap": g["logprob_gap"] / nt,
+        "t_generate": g["t_generate"],
+        "t_score": times["score"],
+        "t_train": times["train"],
+        "tokens_per_s": g["len"] / times["step"],
+        "mem_peak_mb": g["mem_peak_mb"],
+        "lr": lr,
+        "grad_norm": stats["grad_norm"],
+    }
 
 
 EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
 
 
 def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str) -> dict:
-    """memory_estimate's arguments for this run, at its worst case: prompts of prompt_len tokens (the longest) and
-    every completion --max_new_tokens long. The in-loop eval samples batches of 32 prompts, once each."""
+    """memory_estimate's arguments for this run, at its worst case: prompts of prompt_len tokens
+    (the longest) and every completion --max_new_tokens long. The in-loop eval samples batches of 32
+    prompts, once each."""
     gen_prompts = min(cfg.gen_batch, cfg.prompts_per_step // world)
     eval_prompts = EVAL_BATCH if cfg.eval_every else 0
     nbytes = DTYPES[cfg.weights_dtype].itemsize  # weights, gradients, AdamW moments
-    compute = DTYPES[cfg.dtype].itemsize  # activations and KV cache (autocast / FSDP2 mixed precision)
-    return dict(rows=cfg.prompts_per_step // world * cfg.group_size, seq=prompt_len + cfg.max_new_tokens - 1,
-                max_rows=cfg.train_micro_batch, max_tokens=cfg.micro_batch_tokens,
-                gen_rows=max(gen_prompts * cfg.group_size, eval_prompts), gen_prompts=max(gen_prompts, eval_prompts),
-                prompt_len=prompt_len, new_tokens=cfg.max_new_tokens, param_bytes=nbytes,
-                compute_bytes=compute, world_size=world, dist=cfg.dist if world > 1 else "none",
-                activation_checkpointing=cfg.activation_checkpointing, cpu=device_type == "cpu",
-                reference=cfg.beta > 0 and not cfg.lora_rank, **lora_estimate_args(cfg))
+    compute = DTYPES[cfg.dtype].itemsize  # activations, KV cache (autocast / FSDP2 mixed precision)
+    return dict(rows=cfg.prompts_per_step // world * cfg.group_size,
+                seq=prompt_len + cfg.max_new_tokens - 1,
+                max_rows=cfg.train_micro_batch,
+                max_tokens=cfg.micro_batch_tokens,
+                gen_rows=max(gen_prompts * cfg.group_size, eval_prompts),
+                gen_prompts=max(gen_prompts, eval_prompts),
+                prompt_len=prompt_len,
+                new_tokens=cfg.max_new_tokens,
+                param_bytes=nbytes,
+                compute_bytes=compute,
+                world_size=world,
+                dist=cfg.dist if world > 1 else "none",
+                activation_checkpointing=cfg.activation_checkpointing,
+                cpu=device_type == "cpu",
+                reference=cfg.beta > 0 and not cfg.lora_rank,
+                **lora_estimate_args(cfg))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -487,18 +543,21 @@ def main(argv=None):
     torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
     seed_all(cfg.seed, d.rank)
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
-    check_flags(cfg, at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu", "steps"),
-                at_least_0=("train_micro_batch", "micro_batch_tokens", "top_k", "warmup", "eval_every",
-                            "save_every", "keep", "log_samples", "max_minutes", "beta", "weight_decay", "epsilon",
-                            "epsilon_high", "grad_clip", "progress_every"),
+    check_flags(cfg,
+                at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu",
+                            "steps"),
+                at_least_0=("train_micro_batch", "micro_batch_tokens", "top_k", "warmup",
+                            "eval_every", "save_every", "keep", "log_samples", "max_minutes", "beta",
+                            "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
                 positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
     if G < 2 and cfg.scale_rewards == "group":
-        raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward is undefined; use "
-                         "G >= 2 (or --scale_rewards none)")
+        raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward "
+                         "is undefined; use G >= 2 (or --scale_rewards none)")
     if not 0 <= cfg.tis_cap < math.inf:
-        raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, e.g. 2")
+        raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, "
+                         "e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
     check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
     with user_input("--reward_weights"):
@@ -506,96 +565,113 @@ def main(argv=None):
     check_precision(cfg.dtype, cfg.weights_dtype)
     weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
 
-    # --- tokenizer, model config, data: no weights are read before the memory estimate ---------------------------
+    # --- tokenizer, model config, data: no weights are read before the memory estimate ------------
     with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
         model_cfg = load_config(cfg.init, cfg.size_limits)
         tok = load_tokenizer(cfg.init)
-        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)  # no stop token at all: an error naming the dir
+        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
     max_pos = model_cfg.max_position_embeddings
-    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
-        knobs = parse_knobs(cfg.task_knobs)
-        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+    # a missing file, a malformed row (named by file and line), a bad split or knob
+    with user_input("data"):
+        task_args = dict(path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
+        rows = load_task(cfg.task, cfg.split, **task_args)
+        eval_rows = load_task(cfg.task, cfg.eval_split, **task_args)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
         prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
     prompt_ids = [encode_prompt(tok, t, cfg.template) for t in prompt_text]  # tokenized once
     if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
-        raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings={max_pos}: lower --max_new_tokens")
+        raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds "
+                         f"the model's max_position_embeddings={max_pos}: lower --max_new_tokens")
     order = _permutation_stream(len(rows), cfg.seed)  # global prompt order: epoch after epoch, seeded
-    # the memory this run needs, for the longest prompt the sampler will see (training or in-loop eval)
-    evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows] if cfg.eval_every else []
-    longest = max(map(len, prompt_ids + [encode_prompt(tok, t, cfg.template) for t in evals]))
-    print0(format_memory(memory_estimate(model_cfg, **memory_shapes(cfg, W, longest, d.device.type))))
+    # the memory this run needs, for the longest prompt the sampler will see (training or eval)
+    evals = []
+    if cfg.eval_every:
+        evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+    eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
+    longest = max(map(len, prompt_ids + eval_ids))
+    shapes = memory_shapes(cfg, W, longest, d.device.type)
+    print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
 
-    # --- model, reference --------------------------------------------------------------------------------------
-    with user_input("--init"):  # no weights, a truncated safetensors file, weights that do not fit config.json
-        base_dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else weights_dtype  # the base's dtype
+    # --- model, reference -------------------------------------------------------------------------
+    # no weights, a truncated safetensors file, weights that do not fit config.json
+    with user_input("--init"):
+        base_dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else weights_dtype
         model = load_model(cfg.init, device=d.device, dtype=base_dtype, size_limits=cfg.size_limits)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
-            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, seed=cfg.seed,
-                     base=cfg.init)
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                     seed=cfg.seed, base=cfg.init)
     ref = None
-    if cfg.beta > 0 and not cfg.lora_rank:  # frozen copy of the starting policy; with beta = 0 it is never built
-        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype, size_limits=cfg.size_limits)
+    # frozen copy of the starting policy; with beta = 0 it is never built
+    if cfg.beta > 0 and not cfg.lora_rank:
+        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype,
+                         size_limits=cfg.size_limits)
         ref = ref.requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d, cfg.dtype)
-    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d, cfg.dtype)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    model = wrap_model(model, cfg.dist, d, cfg.dtype)
     if cfg.beta > 0 and cfg.lora_rank:
         ref = model  # the reference for free: the same weights with the adapters switched off
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
-    opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
 
-
-    # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; write config.json
+    # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
     state = start_or_resume(resume_from, cfg, model, opt, d)
+    tb_dir = os.path.join(cfg.out_dir, "tb") if cfg.tensorboard else None
     log = JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main, wandb_project=cfg.wandb,
-                      tensorboard_dir=os.path.join(cfg.out_dir, "tb") if cfg.tensorboard else None, config=asdict(cfg),
-                      start_step=state["step"])
+                      tensorboard_dir=tb_dir, config=asdict(cfg), start_step=state["step"])
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
-    print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), loss={cfg.loss}")
+    print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), "
+           f"loss={cfg.loss}")
 
-    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall time since start
-    train_s = state.get("train_s", state.get("t_train", 0.0))  # "t_train": checkpoints written before the rename
-    t_start = time.perf_counter() - state.get("wall_s", 0.0)
+    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes) and
+    # wall time since start. Checkpoints written before the rename hold only the first, as t_train
+    train_s = state.get("train_s", state.get("t_train", 0.0))
+    t_start = time.perf_counter() - state.get("wall_s", train_s)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
-    bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main, every_s=cfg.progress_every)
+    bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main,
+                   every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
 
-        # 1. this rank's prompts: a contiguous slice of the step's global prompts, numbered from `first`
+        # 1. this rank's prompts: a contiguous slice of the step's global prompts, from `first` on
         first = (step - 1) * P + d.rank * (P // W)
         mine = [order(i) for i in range(first, first + P // W)]
 
         # 2. rollout: G completions per prompt (each prompt prefilled once)
-        roll = rollout(model, [prompt_ids[i] for i in mine], first, step, cfg, eos_ids, pad_id, d.device)
+        my_prompts = [prompt_ids[i] for i in mine]
+        roll = rollout(model, my_prompts, first, step, cfg, eos_ids, pad_id, d.device)
         t1 = time.perf_counter()
 
         # 3. score on the host; the rewards r (P_rank, G) come back to the device
-        r, scores, texts = score(tok, roll, [prefix[i] for i in mine], [rows[i]["answer"] for i in mine], cfg,
-                                 weights)  # fmt: skip
+        prefixes = [prefix[i] for i in mine]
+        answers = [rows[i]["answer"] for i in mine]
+        r, scores, texts = score(tok, roll, prefixes, answers, cfg, weights)
 
-        # 4. group advantages and which tokens count; the loss denominators are global counts. The policy term
-        # counts the kept completions (lmask); the KL term, when beta > 0, every completion (kl_mask)
+        # 4. group advantages and which tokens count; the loss denominators are global counts. The
+        # policy term counts the kept completions (lmask); the KL term, when beta > 0, every
+        # completion (kl_mask)
         adv = group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
-        lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std, cfg.mask_truncated)
+        lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std,
+                                          cfg.mask_truncated)
         kl_mask = roll.mask.float()
-        n_seqs, n_tokens, n_kl = torch.stack([keep.sum().float(), lmask.sum(), kl_mask.sum()]).tolist()
-        c = all_reduce_named({"n_seqs": n_seqs, "n_tokens": n_tokens, "n_kl": n_kl})
+        counts = torch.stack([keep.sum().float(), lmask.sum(), kl_mask.sum()]).tolist()
+        c = all_reduce_named(dict(zip(("n_seqs", "n_tokens", "n_kl"), counts)))
         n_rows = P * G  # every completion of the step's batch, filtered or not
+        max_len = cfg.max_new_tokens
         # DDP / FSDP average gradients over ranks: x W makes it the global sum
-        w = token_weights(lmask, cfg.loss, c["n_seqs"], c["n_tokens"], n_rows, cfg.max_new_tokens) * W
+        w = token_weights(lmask, cfg.loss, c["n_seqs"], c["n_tokens"], n_rows, max_len) * W
         w_kl = None
         if cfg.beta > 0:
-            w_kl = token_weights(kl_mask, cfg.loss, n_rows, c["n_kl"], n_rows, cfg.max_new_tokens) * W
+            w_kl = token_weights(kl_mask, cfg.loss, n_rows, c["n_kl"], n_rows, max_len) * W
         t2 = time.perf_counter()
 
         # 5. policy update(s)
@@ -612,27 +688,30 @@ def main(argv=None):
         metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
         for i in range(min(cfg.log_samples, len(texts))):
-            samples_log.write({"step": step, "prompt": prompt_text[mine[i // G]], "completion": texts[i], **scores[i]})
+            prompt = prompt_text[mine[i // G]]
+            samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
 
-        done = step == cfg.steps or (cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60))
+        out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
+        done = step == cfg.steps or out_of_time
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
-            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  device=d.device, seed=cfg.seed, tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
+            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
+                                  max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
+                                  tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
-        bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | zero-std "
-                   f"{metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | gen {t1 - t0:.2f}s train "
-                   f"{t3 - t2:.2f}s{evaluated}")
+        bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | "
+                   f"zero-std {metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | "
+                   f"gen {t1 - t0:.2f}s train {t3 - t2:.2f}s{evaluated}")
         if done or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {"train_s": train_s, "wall_s": metrics["wall_s"],
-                           "stopped": "time" if done and step < cfg.steps else False}
-            save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
-                            config=asdict(cfg))
+            stopped = "time" if done and step < cfg.steps else False
+            train_state = {"train_s": train_s, "wall_s": metrics["wall_s"], "stopped": stopped}
+            save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt,
+                            keep=cfg.keep, config=asdict(cfg))
         if done:
             break
     bar.close()
-    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
     log.close()
     samples_log.close()
@@ -640,7 +719,7 @@ def main(argv=None):
     cleanup_dist()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # small helpers
 
 
@@ -654,13 +733,15 @@ def _slice(inputs, targets, pos, ix, L: int):
 
 
 def _permutation_stream(n: int, seed: int):
-    """i -> the i-th prompt of a stream of seeded permutations of range(n) (a new permutation each epoch)."""
+    """i -> the i-th prompt of a stream of seeded permutations of range(n) (a new permutation each
+    epoch)."""
     cache = {}
 
     def at(i):
         epoch = i // n
         if epoch not in cache:
-            cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            cache[epoch] = torch.randperm(n, generator=g).tolist()
         return cache[epoch][i % n]
 
     return at

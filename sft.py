@@ -1,5 +1,6 @@
 """
-SFT warm start: teach a model the R1 format from worked solutions, with the loss on completion tokens only.
+SFT warm start: teach a model the R1 format from worked solutions, with the loss on completion
+tokens only.
 
 Launch:
   python sft.py                                   # the char-level demo: fresh tiny model, first 5% of arith train
@@ -7,46 +8,53 @@ Launch:
   torchrun --nproc_per_node=8 sft.py --init path/to/Qwen2.5-0.5B --task gsm8k --data_path gsm8k/train.jsonl \
       --template r1 --split train[:10%] --eval_split test[:200] --max_new_tokens 512 ...
 
-One example is [prompt tokens] + [target tokens] + [EOS], where the prompt is data.format_prompt(question) (it opens
-the response, e.g. with "<think>") and the target is data.sft_target(row) ("reasoning</think> <answer>N</answer>").
-Labels are -100 on the prompt and on padding, so only the completion is learned; batches are right-padded.
+One example is [prompt tokens] + [target tokens] + [EOS], where the prompt is
+data.format_prompt(question) (it opens the response, e.g. with "<think>") and the target is
+data.sft_target(row) ("reasoning</think> <answer>N</answer>"). Labels are -100 on the prompt and on
+padding, so only the completion is learned; batches are right-padded.
 
-Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of a seeded stream
-of epoch permutations, rank r on its contiguous share, which it splits into micro-batches of similar lengths (at
-most --micro_batch rows and --micro_batch_tokens padded tokens; common.micro_batches) for gradient accumulation. The
-loss is (sum of token losses) / (target tokens in the whole global batch), so 1 process and N processes, and any
-micro-batch split, compute the same step (tests/test_sft.py checks it for DDP and FSDP2).
+Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of
+a seeded stream of epoch permutations, rank r on its contiguous share, which it splits into
+micro-batches of similar lengths (at most --micro_batch rows and --micro_batch_tokens padded tokens;
+common.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
+in the whole global batch), so 1 process and N processes, and any micro-batch split, compute the
+same step (tests/test_sft.py checks it for DDP and FSDP2).
 
-Stopping: --steps is an upper bound (and the end of the cosine schedule, if --min_lr_ratio < 1); --max_minutes m
-stops after m minutes of training (evals excluded; the same measure as grpo.py's, so "continue SFT for as long as
-GRPO ran" is one flag, and a timed-out run given more minutes goes on when resumed). With --stop_pass1 p the run
-stops once --stop_patience consecutive held-out evaluations (every --eval_every steps: greedy pass@1 on
---eval_split, test problems that are never trained on, and disjoint from eval.py's default test[:400]) all reach p;
-one lucky eval is not enough. A run that never gets there says so in one line at the end (demo.sh then stops before
-GRPO, which cannot learn from a start whose samples are almost all wrong).
+Stopping: --steps is an upper bound (and the end of the cosine schedule, if --min_lr_ratio < 1);
+--max_minutes m stops after m minutes of training (evals excluded; the same measure as grpo.py's, so
+"continue SFT for as long as GRPO ran" is one flag, and a timed-out run given more minutes goes on
+when resumed). With --stop_pass1 p the run stops once --stop_patience consecutive held-out
+evaluations (every --eval_every steps: greedy pass@1 on --eval_split, test problems that are never
+trained on, and disjoint from eval.py's default test[:400]) all reach p; one lucky eval is not
+enough. A run that never gets there says so in one line at the end (demo.sh then stops before GRPO,
+which cannot learn from a start whose samples are almost all wrong).
 
-The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated together. A small
-model can memorise its worked solutions instead of learning the arithmetic; weight decay 1.0 at a constant learning
-rate makes it learn the arithmetic (strong decay penalises the large weights a lookup table needs) and keeps the
-trajectory independent of --steps, so a run resumed with more --steps continues the same one. The README's demo
-section has the measurements; tests/test_demo.py guards them.
+The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated
+together. A small model can memorise its worked solutions instead of learning the arithmetic; weight
+decay 1.0 at a constant learning rate makes it learn the arithmetic (strong decay penalises the
+large weights a lookup table needs) and keeps the trajectory independent of --steps, so a run
+resumed with more --steps continues the same one. The README's demo section has the measurements;
+tests/test_demo.py guards them.
 
-Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model dir + train
-state), latest, tb/ and wandb_run_id (with --tensorboard / --wandb), and model/ (the final HF model dir: config.json,
-model.safetensors, tokenizer files; loadable by transformers.AutoModelForCausalLM, eval.py and grpo.py).
+Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model
+dir + train state), latest, tb/ and wandb_run_id (with --tensorboard / --wandb), and model/ (the
+final HF model dir: config.json, model.safetensors, tokenizer files; loadable by
+transformers.AutoModelForCausalLM, eval.py and grpo.py).
 
-Resume: a killed run continues where it stopped when started again with the same command (--resume auto, the
-default, takes the newest complete checkpoint in --out_dir; --resume PATH a given one; --overwrite starts over).
-Step s's data, LR and RNG draws are functions of s, and a checkpoint holds weights, full optimizer state and every
-rank's RNG states, so the continued run is bitwise the uninterrupted one (tests/test_resume.py); metrics.jsonl is cut
-back to the checkpoint's step first. Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes
-(launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
+Resume: a killed run continues where it stopped when started again with the same command (--resume
+auto, the default, takes the newest complete checkpoint in --out_dir; --resume PATH a given one;
+--overwrite starts over). Step s's data, LR and RNG draws are functions of s, and a checkpoint holds
+weights, full optimizer state and every rank's RNG states, so the continued run is bitwise the
+uninterrupted one (tests/test_resume.py); metrics.jsonl is cut back to the checkpoint's step first.
+Under `torchrun --max-restarts=K` a dead worker restarts the group, which resumes (launch it with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with a shared store a restart can hang, torch#135712).
 
-LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter and its
-optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see the README.
+LoRA (--lora_rank r): the base is frozen and only the adapters train; checkpoints hold the adapter
+and its optimizer state, and the end writes OUT/model (merged) and OUT/adapter (PEFT format); see
+the README.
 
-Simplifications: no sequence packing (each micro-batch pads to its longest row; length grouping keeps that small);
-the loss is a plain token mean over the global batch (long solutions weigh more).
+Simplifications: no sequence packing (each micro-batch pads to its longest row; length grouping
+keeps that small); the loss is a plain token mean over the global batch (long solutions weigh more).
 """
 
 import math
@@ -174,9 +182,9 @@ class SFTConfig:
                              "tensorboard)")
 
 
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the batch, the stored
-# weights' dtype): --resume refuses a checkpoint that differs in these; other flags (lr, steps, micro_batch, dist,
-# the compute --dtype, ...) may change
+# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
+# batch, the stored weights' dtype): --resume refuses a checkpoint that differs in these; other
+# flags (lr, steps, micro_batch, dist, the compute --dtype, ...) may change
 RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
                      "template", "global_batch", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
                      "lora_base_dtype")
@@ -187,14 +195,15 @@ RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_
 
 
 def build_example(prompt_ids: list[int], target_ids: list[int], eos_id: int) -> tuple[list[int], list[int]]:
-    """[prompt + target + EOS] and its labels: -100 on the prompt (no loss there), the token itself elsewhere."""
+    """[prompt + target + EOS] and its labels: -100 on the prompt (no loss there), the token itself
+    elsewhere."""
     ids = prompt_ids + target_ids + [eos_id]
     return ids, [-100] * len(prompt_ids) + target_ids + [eos_id]
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int, device="cpu"):
-    """Right-pad to the longest example and shift: inputs (B, L-1), targets (B, L-1) with -100 on prompt/padding,
-    built on the host and moved to `device` once."""
+    """Right-pad to the longest example and shift: inputs (B, L-1), targets (B, L-1) with -100 on
+    prompt/padding, built on the host and moved to `device` once."""
     L = max(len(ids) for ids, _ in examples)
     ids = [x + [pad_id] * (L - len(x)) for x, _ in examples]
     labels = [y + [-100] * (L - len(y)) for _, y in examples]
@@ -203,8 +212,8 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int, device="cp
 
 
 def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype: str = "float32") -> torch.Tensor:
-    """Sum of -log p(target) over the positions whose label is not -100 (normalise by the caller's token count),
-    computed in `dtype` (common.autocast; the log-softmax itself in fp32)."""
+    """Sum of -log p(target) over the positions whose label is not -100 (normalise by the caller's
+    token count), computed in `dtype` (common.autocast; the log-softmax itself in fp32)."""
     mask = targets != -100  # (B, T)
     with autocast(model, dtype):
         logp, _ = model(inputs, targets=targets.clamp(min=0))  # (B, T) log-probs of the targets, chunked over T
@@ -212,7 +221,8 @@ def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype: str = "f
 
 
 def reached_bar(history: list[float], target: float, patience: int) -> bool:
-    """Whether the last `patience` held-out evals all reach `target` (one lucky eval is not enough; 0 = off)."""
+    """Whether the last `patience` held-out evals all reach `target` (one lucky eval is not enough;
+    0 = off)."""
     recent = history[-patience:]
     return target > 0 and len(recent) == patience and min(recent) >= target
 
@@ -221,15 +231,25 @@ EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's
 
 
 def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, device_type: str) -> dict:
-    """memory_estimate's arguments for this run, at its worst case: every row as long as the longest (seq tokens);
-    the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once each, --max_new_tokens long."""
+    """memory_estimate's arguments for this run, at its worst case: every row as long as the longest
+    (seq tokens); the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once
+    each, --max_new_tokens long."""
     eval_prompts = EVAL_BATCH if cfg.eval_every else 0
-    return dict(rows=cfg.global_batch // world, seq=seq, max_rows=cfg.micro_batch, max_tokens=cfg.micro_batch_tokens,
-                gen_rows=eval_prompts, gen_prompts=eval_prompts, prompt_len=eval_prompt_len,
-                new_tokens=cfg.max_new_tokens, param_bytes=DTYPES[cfg.weights_dtype].itemsize,
-                compute_bytes=DTYPES[cfg.dtype].itemsize, world_size=world,
-                dist=cfg.dist if world > 1 else "none", activation_checkpointing=cfg.activation_checkpointing,
-                cpu=device_type == "cpu", **lora_estimate_args(cfg))
+    return dict(rows=cfg.global_batch // world,
+                seq=seq,
+                max_rows=cfg.micro_batch,
+                max_tokens=cfg.micro_batch_tokens,
+                gen_rows=eval_prompts,
+                gen_prompts=eval_prompts,
+                prompt_len=eval_prompt_len,
+                new_tokens=cfg.max_new_tokens,
+                param_bytes=DTYPES[cfg.weights_dtype].itemsize,
+                compute_bytes=DTYPES[cfg.dtype].itemsize,
+                world_size=world,
+                dist=cfg.dist if world > 1 else "none",
+                activation_checkpointing=cfg.activation_checkpointing,
+                cpu=device_type == "cpu",
+                **lora_estimate_args(cfg))
 
 
 # -----------------------------------------------------------------------------
@@ -240,147 +260,168 @@ def main(argv=None):
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
     W = d.world_size
-    check_flags(cfg, at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
-                at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every", "keep",
-                            "max_minutes", "grad_clip", "weight_decay", "progress_every"),
+    check_flags(cfg,
+                at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
+                at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every",
+                            "keep", "max_minutes", "grad_clip", "weight_decay", "progress_every"),
                 positive=("lr", "dist_timeout"))
     check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
-        raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world size {W}")
+        raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world "
+                         f"size {W}")
     per_rank = cfg.global_batch // W
     check_precision(cfg.dtype, cfg.weights_dtype)
 
-    # --- data (checked first: a typo in --task should fail before any model is built) ---------------------------
-    with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
-        knobs = parse_knobs(cfg.task_knobs)
-        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-        eval_rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
+    # --- data (checked first: a typo in --task should fail before any model is built) -------------
+    # a missing file, a malformed row (named by file and line), a bad split or knob
+    with user_input("data"):
+        task_args = dict(path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
+        rows = load_task(cfg.task, cfg.split, **task_args)
+        eval_rows = load_task(cfg.task, cfg.eval_split, **task_args)
 
-    # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer (no weights read yet) ---
+    # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer ------------
     if cfg.init is not None:
         with user_input("--init"):  # a run dir whose `latest` is broken
             path = resolve_model_dir(cfg.init)
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-            raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json and *.safetensors)")
+            raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json "
+                             "and *.safetensors)")
         with user_input("--init"):  # a bad config.json, no tokenizer, ...
             model_cfg = model_lib.load_config(path, cfg.size_limits)
             tok = model_lib.load_tokenizer(path)
     else:
         tok = model_lib.char_tokenizer()
         with user_input("--model_overrides"):  # a typo, a string where a size goes, a config bomb
-            model_cfg = model_lib.preset_config(cfg.model, len(tok), bos_token_id=tok.bos_token_id,
-                                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                                **parse_knobs(cfg.model_overrides))  # fmt: skip
+            special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+            overrides = parse_knobs(cfg.model_overrides)
+            model_cfg = model_lib.preset_config(cfg.model, len(tok), **special, **overrides)
             if cfg.size_limits:
                 model_lib.check_size(model_cfg)
     with user_input("--init"):  # a model directory without any stop token
         eos_ids, pad_id = model_lib.stop_and_pad_ids(tok, model_cfg)
-    eos_id = eos_ids[0]  # what every target ends with: the tokenizer's own EOS (a chat model's end of turn)
+    eos_id = eos_ids[0]  # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
 
-    # --- examples, tokenized once: examples[i] = (ids, labels) -----------------------------------------------------
+    # --- examples, tokenized once: examples[i] = (ids, labels) ------------------------------------
     examples = []
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
         format_prompt(rows[0]["question"], cfg.template, tok)
     for r in rows:
-        prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: what the prompt opened, "<think>"
+        prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: e.g. "<think>"
         with user_input("data"):  # a row without a worked solution
             target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
         examples.append(build_example(encode_prompt(tok, prompt, cfg.template), target, eos_id))
     n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
-    max_len, longest = model_cfg.max_position_embeddings, max(len(ids) for ids, _ in examples)
+    max_len = model_cfg.max_position_embeddings
+    longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
-        raise SystemExit(f"error: the longest example has {longest} tokens > the model's max_position_embeddings "
-                         f"{max_len}")
-    longest_eval = max(len(encode_prompt(tok, format_prompt(r["question"], cfg.template, tok)[0], cfg.template))
-                       for r in eval_rows)
+        raise SystemExit(f"error: the longest example has {longest} tokens > the model's "
+                         f"max_position_embeddings {max_len}")
+    eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+    longest_eval = max(len(encode_prompt(tok, p, cfg.template)) for p in eval_prompts)
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
-        raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + --max_new_tokens="
-                         f"{cfg.max_new_tokens} exceeds the model's max_position_embeddings={max_len}: lower "
-                         "--max_new_tokens")
+        raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + "
+                         f"--max_new_tokens={cfg.max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={max_len}: lower --max_new_tokens")
     # the memory this run needs; a training row is the longest example shifted by one
-    est = model_lib.memory_estimate(model_cfg, **memory_shapes(cfg, W, longest - 1, longest_eval, d.device.type))
-    print0(model_lib.format_memory(est))
+    shapes = memory_shapes(cfg, W, longest - 1, longest_eval, d.device.type)
+    print0(model_lib.format_memory(model_lib.memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from (None: start fresh)
+    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
 
-    # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------------------------
-    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's weights)
+    # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------
+    torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's)
     if cfg.init is not None:
-        with user_input("--init"):  # a truncated safetensors file, a config that does not fit the weights, ...
+        # a truncated safetensors file, a config that does not fit the weights, ...
+        with user_input("--init"):
             dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else DTYPES[cfg.weights_dtype]
-            model = model_lib.load_model(path, device=d.device, dtype=dtype, size_limits=cfg.size_limits)
+            model = model_lib.load_model(path, device=d.device, dtype=dtype,
+                                         size_limits=cfg.size_limits)
     else:
         model = model_lib.Transformer(model_cfg).to(d.device, DTYPES[cfg.weights_dtype])
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
-            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
-                               seed=cfg.seed, base_dtype=DTYPES[cfg.lora_base_dtype], base=cfg.init)
+            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                               cfg.lora_targets, seed=cfg.seed,
+                               base_dtype=DTYPES[cfg.lora_base_dtype], base=cfg.init)
     seed_all(cfg.seed, d.rank)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    model = wrap_model(model.set_activation_checkpointing(cfg.activation_checkpointing), cfg.dist, d, cfg.dtype)
-    # weight decay on matrices only (embeddings, projections), not on norm gains or biases (nanoGPT's split)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    model = wrap_model(model, cfg.dist, d, cfg.dtype)
+    # weight decay on matrices only (embeddings, projections), not on norm gains or biases
+    # (nanoGPT's split)
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
-    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    matrices = [p for p in trained if p.dim() >= 2]
+    vectors = [p for p in trained if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": cfg.weight_decay},
+              {"params": vectors, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
 
     def item(i: int) -> int:
         epoch = i // len(examples)
         if epoch not in perms:
-            perms[epoch] = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+            g = torch.Generator().manual_seed(cfg.seed + epoch)
+            perms[epoch] = torch.randperm(len(examples), generator=g)
         return int(perms[epoch][i % len(examples)])
 
     out = Path(cfg.out_dir)
     # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
     state = start_or_resume(resume_from, cfg, model, opt, d)
+    tb_dir = out / "tb" if cfg.tensorboard else None
     log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
-                      tensorboard_dir=out / "tb" if cfg.tensorboard else None, start_step=state["step"])
-    limits = " and ".join([f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
-                          + [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)) or "no limit"
-    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} examples "
-           f"({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {W} rank(s) in micro-batches of {limits}, "
+                      tensorboard_dir=tb_dir, start_step=state["step"])
+    limits = [f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
+    limits += [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)
+    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} "
+           f"examples ({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {W} rank(s) in "
+           f"micro-batches of {' and '.join(limits) or 'no limit'}, "
            f"dist={cfg.dist if W > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
 
-    # --- training loop ---------------------------------------------------------------------------------------------
+    # --- training loop ----------------------------------------------------------------------------
     pass1, step, ckpt = None, state["step"], resume_from
-    history = list(state.get("eval_history", []))  # held-out pass@1 of every eval so far (for --stop_patience)
-    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall time since start
-    # ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
+    history = list(state.get("eval_history", []))  # held-out pass@1 of every eval (--stop_patience)
+    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall
+    # time since start ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
     train_s = state.get("train_s", state.get("t_train", 0.0))
     t_start = time.perf_counter() - state.get("wall_s", state.get("elapsed_s", 0.0))
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
-    bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main, every_s=cfg.progress_every)
+    bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main,
+                   every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = [item(i) for i in range((step - 1) * cfg.global_batch, step * cfg.global_batch)]
-        n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the whole global batch (no communication needed)
+        n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the global batch (no communication)
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         model.train()
-        losses, n_in = [], 0  # per micro-batch summed token losses (on the device), input tokens (host count)
-        # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row (FSDP2 gathers)
-        groups = micro_batches([len(examples[i][0]) - 1 for i in mine], cfg.micro_batch, cfg.micro_batch_tokens)
+        losses, n_in = [], 0  # per micro-batch summed token losses (device), input tokens (host)
+        # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row
+        # (FSDP2 gathers)
+        row_lens = [len(examples[i][0]) - 1 for i in mine]
+        groups = micro_batches(row_lens, cfg.micro_batch, cfg.micro_batch_tokens)
         for k, group in enumerate(groups):
             micro = [examples[mine[j]] for j in group]
-            inputs, targets = collate(micro or [([pad_id, pad_id], [-100, -100])], pad_id, d.device)  # (b, T) each
+            loss_free = [([pad_id, pad_id], [-100, -100])]  # for an empty micro-batch
+            inputs, targets = collate(micro or loss_free, pad_id, d.device)  # (b, T) each
             with grad_sync(model, k == len(groups) - 1):
                 loss = sft_loss(model, inputs, targets, cfg.dtype)
-                (loss * W / n_tok).backward()  # DDP / FSDP average gradients over ranks: x W makes it a global sum
+                # DDP / FSDP average gradients over ranks: x W makes it a global sum
+                (loss * W / n_tok).backward()
             losses.append(loss.detach())
             n_in += sum(len(ids) - 1 for ids, _ in micro)
         grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, nothing of this step saved
+        check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, save nothing of it
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_sum = sum(torch.stack(losses).tolist())  # one device -> host copy
-        g = all_reduce_named({"loss": loss_sum, "n_in": n_in, "mem_peak_mb": peak_mem_mb(d.device)},
-                             {"mem_peak_mb": "max"})  # fmt: skip
+        local = {"loss": loss_sum, "n_in": n_in, "mem_peak_mb": peak_mem_mb(d.device)}
+        g = all_reduce_named(local, {"mem_peak_mb": "max"})
         dt = time.perf_counter() - t0
         train_s += dt
         metrics = {"step": step, "loss": g["loss"] / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
@@ -388,18 +429,21 @@ def main(argv=None):
                    "train_s": train_s, "wall_s": time.perf_counter() - t_start}
         out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
 
-        # --- held-out eval (every rank takes part), early stop --------------------------------------------------------
+        # --- held-out eval (every rank takes part), early stop ------------------------------------
         stop = False
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
-            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template, max_new_tokens=cfg.max_new_tokens,
-                                  device=d.device, seed=cfg.seed, dtype=cfg.dtype)  # fmt: skip
+            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
+                                  max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
+                                  dtype=cfg.dtype)
             pass1 = summary["pass@1"]
-            metrics.update(eval_pass1=pass1, eval_format=summary["format"], eval_len=summary["len_mean"])
+            metrics.update(eval_pass1=pass1, eval_format=summary["format"],
+                           eval_len=summary["len_mean"])
             history.append(pass1)
             stop = reached_bar(history, cfg.stop_pass1, cfg.stop_patience)
         log.write(metrics)
-        bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {'-' if pass1 is None else f'{pass1:.3f}'}")
-        stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept in the checkpoint for resume
+        shown = "-" if pass1 is None else f"{pass1:.3f}"
+        bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {shown}")
+        stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept for resume
         if stop:
             print0(f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
                    f"{cfg.stop_pass1} in {cfg.stop_patience} consecutive evals: stopping")
@@ -408,25 +452,28 @@ def main(argv=None):
         if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
                            "stopped": stopped, "eval_history": history, "train_s": train_s}
-            ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt, keep=cfg.keep,
-                                   config=asdict(cfg))
+            ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt,
+                                   keep=cfg.keep, config=asdict(cfg))
         if stopped:
             break
     bar.close()
     log.close()
-    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model and the adapter
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, out, d)
     elif d.is_main:
         publish_model(ckpt, out / "model")
     if cfg.stop_pass1 > 0 and history and not reached_bar(history, cfg.stop_pass1, cfg.stop_patience):
-        # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong) to the next stage
-        print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in {cfg.stop_patience} "
-               f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
-               "this start learns little: run again with more --steps (it resumes) or another --seed")
-    local = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]  # FSDP2: own shard
-    opt_bytes = sum(t.numel() * t.element_size() for t in local)
-    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state {opt_bytes / 2**20:.1f} MiB "
-           f"(rank 0); model in {out / 'model'}")
+        # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong)
+        # to the next stage
+        print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in "
+               f"{cfg.stop_patience} consecutive evals by step {step} (best {max(history):.3f}, last "
+               f"{history[-1]:.3f}); GRPO from this start learns little: run again with more --steps "
+               "(it resumes) or another --seed")
+    # FSDP2: this rank's own shard
+    shards = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]
+    opt_bytes = sum(t.numel() * t.element_size() for t in shards)
+    print0(f"done: {step} steps in {time.perf_counter() - t_start:.0f}s; optimizer state "
+           f"{opt_bytes / 2**20:.1f} MiB (rank 0); model in {out / 'model'}")
     release_run_dir(out)
     cleanup_dist()
 

@@ -11,8 +11,9 @@ and the clip fractions.
 The runs go one after another, or --jobs at a time with the cores split between them (a time budget is fair only
 if nothing else competes), each in OUT/VARIANT_sSEED, its output in OUT/VARIANT_sSEED.log beside it. A finished
 run is not redone: running the same command again resumes an interrupted run and reprints the table. Time budgets
-use grpo.py's --max_minutes (training time; the in-loop evals are not counted). Pass@1 at a mark is the newest eval at or before it (--eval_every sets the resolution); "start"
-is the SFT model's own, evaluated the way grpo.py's in-loop eval does.
+use grpo.py's --max_minutes (training time; the in-loop evals are not counted). Pass@1 at a mark is the newest
+eval at or before it (--eval_every sets the resolution); "start" is the SFT model's own, evaluated the way
+grpo.py's in-loop eval does.
 
 Every run gets --mu 2 unless --grpo_flags says otherwise: with one update per rollout every ratio is 1 and GSPO /
 CISPO reduce to GRPO / DAPO. GSPO gets its paper's clip range and CISPO no lower clip (VARIANT_FLAGS).

@@ -207,7 +207,7 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path):
         cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, grad_clip=1e9, out_dir=str(tmp_path))
         model = _model()
         opt = _RecordingOptimizer(model)
-        grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(6, Tc), cfg, None, 1)
+        grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(6, Tc), cfg, 1)
         grads.append(opt.grads)
     model = _model()
     inputs, targets, pos = batch

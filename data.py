@@ -32,7 +32,7 @@ TEMPLATES = ("r1", "short", "chat")
 THINK = "<think>"
 
 # Built-in task knobs. Defaults: three 2-digit operands with + and -, no negative intermediate results: a difficulty
-# the char-level demo model (model.py's `demo` preset) learns on CPU (the README's demo section has the numbers).
+# the char-level demo model (model.py's `demo` preset) learns on CPU (docs/demo.md has the numbers).
 # The problem space (~2.9M expressions at default) is split by a hash of the expression: 1 in TEST_BUCKETS goes
 # to test, the rest to train, so train and test never share a question, whatever the sizes or seeds.
 ARITH_DEFAULTS = {

@@ -163,7 +163,7 @@ def check_size(cfg: ModelConfig):
 
 
 PRESETS = {
-    # the built-in demo's model (sft.py's default), calibrated with its SFT recipe (README, "The demo"): a change
+    # the built-in demo's model (sft.py's default), calibrated with its SFT recipe (docs/demo.md): a change
     # here moves the step at which SFT lands in GRPO's band; tests/test_demo.py guards it
     "demo": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True),

@@ -88,7 +88,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     compile=True runs decode_step through torch.compile (the first call of a shape compiles, for tens of seconds;
     later calls reuse it); cuda_graph=True replays it as a CUDA graph captured once per batch shape and reused
     across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
-    None picks the device's default, DEFAULTS (README, "Decoding speed", says how it was chosen). Every mode
+    None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was chosen). Every mode
     samples the same tokens; log-probs agree to float rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
@@ -119,7 +119,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
                          generator, noise, static, compile, cuda_graph)
 
 
-# device type -> generate()'s modes when given None: chosen by measurement (README, "Decoding speed"). CUDA: not
+# device type -> generate()'s modes when given None: chosen by measurement (docs/speed.md, "Decoding speed"). CUDA: not
 # measured yet, so off there too
 DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False},
             "cuda": {"static": False, "compile": False, "cuda_graph": False}}

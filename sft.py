@@ -33,7 +33,7 @@ The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) a
 together. A small model can memorise its worked solutions instead of learning the arithmetic; weight
 decay 1.0 at a constant learning rate makes it learn the arithmetic (strong decay penalises the
 large weights a lookup table needs) and keeps the trajectory independent of --steps, so a run
-resumed with more --steps continues the same one. The README's demo section has the measurements;
+resumed with more --steps continues the same one. docs/demo.md has the measurements;
 tests/test_demo.py guards them.
 
 Output (--out_dir): config.json (resolved config), metrics.jsonl, step_XXXXXX/ (checkpoint: HF model

@@ -5,7 +5,7 @@
 #               reaches GRPO's band; if the start is too weak for GRPO, the demo says so in one line and stops;
 #   2. grpo.py  GRPO on the other 95%, rewarded only by whether the final answer is exactly right (+ format);
 #   3. eval.py  greedy pass@1, pass@8 / maj@8 (8 samples at T=1) and format rate, before and after GRPO, on 400
-#               held-out test problems; then a before/after table, how it compares with the README's table over
+#               held-out test problems; then a before/after table, how it compares with docs/demo.md's table over
 #               seeds and floating-point paths, and a PNG of the GRPO run.
 #
 #   bash demo.sh                      # defaults: 2 processes (torchrun), runs/ as the output folder
@@ -21,7 +21,7 @@ OUT=${OUT:-runs}     # everything goes under this folder
 # Below this held-out greedy pass@1 of the SFT start (test[:400]) nearly every group of 8 samples is all wrong,
 # so GRPO's advantages are all zero and ten minutes of it learn nothing: the demo stops instead (0 = no check).
 MIN_START=${MIN_START:-0.10}
-# The README's demo tables (greedy pass@1 on test[:400]: mean, min, max): the SFT start over seeds and floating-point
+# docs/demo.md's demo tables (greedy pass@1 on test[:400]: mean, min, max): the SFT start over seeds and floating-point
 # paths; SFT + GRPO from the previous SFT recipe's starts (same band). tests/test_demo.py checks them against it.
 REF_SFT="0.232 0.165 0.270"
 REF_GRPO="0.591 0.463 0.698"
@@ -69,12 +69,12 @@ for name, path in rows:
     mine.append(g["pass@1"])
     print(f"{name:12s} {g['pass@1']:14.3f} {t.get('pass@8', float('nan')):13.3f} {t.get('maj@8', float('nan')):7.3f}"
           f" {g['format']:7.3f}")
-print("\nvs the README's table over seeds and floating-point paths (greedy pass@1: mean [min, max]):")
+print("\nvs docs/demo.md's table over seeds and floating-point paths (greedy pass@1: mean [min, max]):")
 for (name, _), x, (mean, lo, hi) in zip(rows, mine, ref):
     where = "inside" if lo <= x <= hi else "below" if x < lo else "above"
-    print(f"  {name:12s} {x:.3f} vs {mean:.3f} [{lo:.3f}, {hi:.3f}]: {where} the README's range")
+    print(f"  {name:12s} {x:.3f} vs {mean:.3f} [{lo:.3f}, {hi:.3f}]: {where} its range")
 gain, ref_gain = 100 * (mine[1] - mine[0]), 100 * (ref[1][0] - ref[0][0])
-print(f"  GRPO's gain  {gain:+.1f} points vs {ref_gain:+.1f} on average in the README (its target: >= +20)")
+print(f"  GRPO's gain  {gain:+.1f} points vs {ref_gain:+.1f} on average there (its target: >= +20)")
 EOF
 if python -c "import matplotlib" 2>/dev/null; then
   python plot.py "$OUT/grpo" --out "$OUT/grpo.png"

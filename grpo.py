@@ -78,6 +78,7 @@ from model import (
     LORA_TARGETS,
     adapters_off,
     add_lora,
+    check_lora,
     format_memory,
     load_config,
     load_model,
@@ -563,6 +564,9 @@ def main(argv=None):
     with user_input("--reward_weights"):
         weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
     check_precision(cfg.dtype, cfg.weights_dtype)
+    if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
+        with user_input("--lora_*"):
+            check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
 
     # --- tokenizer, model config, data: no weights are read before the memory estimate ------------

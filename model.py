@@ -317,15 +317,20 @@ class LoRALinear(nn.Module):
         return self.scale * _full(self.lora_B.weight) @ _full(self.lora_A.weight)
 
 
+def check_lora(rank: int, alpha: float, dropout: float, targets) -> None:
+    """ValueError unless the settings make an adapter (what add_lora and the memory estimate accept)."""
+    bad = sorted(set(targets) - set(LORA_TARGETS))
+    if rank < 1 or not alpha > 0 or not 0 <= dropout < 1 or bad or not targets:
+        raise ValueError(f"bad LoRA settings: rank={rank} (want >= 1), alpha={alpha} (> 0), dropout={dropout} "
+                         f"(in [0, 1)), targets {list(targets)} (a non-empty subset of {list(LORA_TARGETS)})")
+
+
 def add_lora(model: "Transformer", rank: int, alpha: float, dropout: float = 0.0, targets=LORA_TARGETS, *,
              seed: int = 0, base_dtype: torch.dtype | None = None, base: str | None = None) -> "Transformer":
     """Freeze every weight of the model (cast to base_dtype if given) and wrap the `targets` projections of each
     block in LoRALinear, in place; A is drawn from `seed`, so every rank builds the same adapter. `base` names the
     base model in the exported adapter_config.json. Returns the model, with model.lora its settings (PEFT's names)."""
-    bad = sorted(set(targets) - set(LORA_TARGETS))
-    if rank < 1 or not alpha > 0 or not 0 <= dropout < 1 or bad or not targets:
-        raise ValueError(f"bad LoRA settings: rank={rank} (want >= 1), alpha={alpha} (> 0), dropout={dropout} "
-                         f"(in [0, 1)), targets {list(targets)} (a non-empty subset of {list(LORA_TARGETS)})")
+    check_lora(rank, alpha, dropout, targets)
     if base_dtype is not None:
         model.to(base_dtype)
     model.requires_grad_(False)

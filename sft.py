@@ -271,6 +271,9 @@ def main(argv=None):
                          f"size {W}")
     per_rank = cfg.global_batch // W
     check_precision(cfg.dtype, cfg.weights_dtype)
+    if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
+        with user_input("--lora_*"):
+            model_lib.check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
 
     # --- data (checked first: a typo in --task should fail before any model is built) -------------
     # a missing file, a malformed row (named by file and line), a bad split or knob

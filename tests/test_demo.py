@@ -79,8 +79,8 @@ def test_demo_reference_figures_are_the_readmes():
 
 # --- the calibration guard ---------------------------------------------------------------------------------------
 # The demo's SFT sits near a phase transition (memorise the 1,000 solutions, or learn the arithmetic): these defaults
-# were calibrated so that it lands in GRPO's band on every seed and floating-point path of the README's table.
-# Changing one moves where SFT lands: rerun `python -m pytest -m slow tests/test_demo.py` and the README's table.
+# were calibrated so that it lands in GRPO's band on every seed and floating-point path of docs/demo.md's table.
+# Changing one moves where SFT lands: rerun `python -m pytest -m slow tests/test_demo.py` and docs/demo.md's table.
 CALIBRATED_SFT = {"model": "demo", "model_overrides": "", "split": "train[:5%]", "global_batch": 32, "lr": 3e-3,
                   "warmup": 50, "min_lr_ratio": 1.0, "weight_decay": 1.0, "steps": 8000, "eval_every": 50,
                   "eval_split": "test[-200:]", "stop_pass1": 0.15, "stop_patience": 2}

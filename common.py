@@ -11,6 +11,7 @@ import gc
 import importlib.util
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -489,9 +490,9 @@ def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> lis
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Clip the gradients' global norm to max_norm; returns the norm before clipping as a plain tensor (FSDP2's
-    clip_grad_norm_ returns a DTensor: the global norm, replicated)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    """Clip the gradients' global norm to max_norm (0 = no clipping, the norm is still measured); returns the norm
+    before clipping as a plain tensor (FSDP2's clip_grad_norm_ returns a DTensor: the global norm, replicated)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 

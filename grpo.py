@@ -144,7 +144,7 @@ class GRPOConfig:
     min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)")
     weight_decay: float = flag(0.0, "AdamW weight decay")
     beta2: float = flag(0.98, "AdamW beta2")
-    grad_clip: float = flag(1.0, "clip the global grad norm to this")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)")
     train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)")
     # memory
     micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "

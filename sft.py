@@ -57,7 +57,6 @@ Simplifications: no sequence packing (each micro-batch pads to its longest row; 
 keeps that small); the loss is a plain token mean over the global batch (long solutions weigh more).
 """
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -418,7 +417,7 @@ def main(argv=None):
                 (loss * W / n_tok).backward()
             losses.append(loss.detach())
             n_in += sum(len(ids) - 1 for ids, _ in micro)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip)
         check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, save nothing of it
         opt.step()
         opt.zero_grad(set_to_none=True)

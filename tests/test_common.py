@@ -170,3 +170,15 @@ def test_jsonl_logger_writes_tensorboard_events(tmp_path):
     ea = EventAccumulator(str(tmp_path / "tb"))
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("reward")] == [(1, 0.25), (2, 1.0), (3, 1.0)]
+
+
+def test_grad_clip_zero_is_off():
+    """--grad_clip 0 means no clipping in both scripts (grpo's once zeroed every gradient instead)."""
+    lin = torch.nn.Linear(3, 2)
+    for p in lin.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    norm = common.clip_grad_norm(lin, 0.0)
+    assert abs(norm.item() - 10.0 * 8 ** 0.5) < 1e-4  # 8 values of 10: measured, not clipped
+    assert all((p.grad == 10.0).all() for p in lin.parameters())
+    common.clip_grad_norm(lin, 1.0)
+    assert abs(torch.cat([p.grad.flatten() for p in lin.parameters()]).norm().item() - 1.0) < 1e-4

@@ -236,6 +236,10 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # slots filled; a forward writes the next T slots, then advances it
 
+    def keep_rows(self, rows):  # rows (n,) long: the batch rows to keep (a copy of the cache)
+        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
+
     def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, length + T, kv_heads, D)
         T, end = k.shape[1], self.length + k.shape[1]
         self.k_layers[layer].narrow(1, self.length, T).copy_(k)

@@ -6,8 +6,10 @@
 
 Prompts are left-padded so every row writes its next token to the same cache slot; per-row RoPE positions
 and a key mask make the padding exactly invisible. The decode loop does a fixed number of tensor ops per step
-whatever the batch size, and one host sync ("is every row done?"). Finished rows keep decoding (their tokens
-are masked) until the whole batch is done: removing them would cost a cache gather per step.
+whatever the batch size, and one host sync ("how many rows are done?"). Finished rows keep decoding (their
+tokens are masked) until they are 1/8 of the rows left; then the growing forward drops them (one copy of the
+cache), so a batch whose rows stop early stops paying for them. The static step keeps every row (fixed shapes).
+Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N rows decoded).
 """
 
 import weakref
@@ -123,6 +125,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
 # measured yet, so off there too
 DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False},
             "cuda": {"static": False, "compile": False, "cuda_graph": False}}
+DROP_EVERY = 8  # the growing forward drops the finished rows once they are 1/8 of the rows left (a cache copy)
 SLOT_BUCKET = 32  # the cache length is rounded up to a multiple of this: fewer distinct shapes to compile / capture
 
 
@@ -169,6 +172,10 @@ class Decoder:
             _compiled_step = torch.compile(decode_step)
         self.step = _compiled_step if compile else decode_step
         self.static, self.cuda_graph, self.graph = static, cuda_graph, None
+
+    def keep(self, rows):  # rows (n,) long: keep these rows of the cache and the key mask, in this order
+        self.cache.keep_rows(rows)
+        self.keys = self.keys[rows]
 
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
         if not self.static:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
@@ -236,14 +243,24 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, max_new_tokens, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)
+    rows = torch.arange(N, device=device)  # (n,) the rows still decoding: all, until rows are dropped
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,) of those, the ones past their stop token
     for t in range(max_new_tokens):
-        u = noise[:, t : t + 1] if noise is not None else None
-        tok, out_logp = sample(logits, temperature, top_k, top_p, generator, u)  # (N,), (N,)
-        out[:, t], logprobs[:, t] = tok, out_logp
+        u = None  # (n, 1) uniforms
+        if noise is not None:
+            u = noise[rows, t : t + 1]
+        elif temperature > 0:  # drawn for all N rows, so dropping rows does not change the others' draws
+            u = torch.rand(N, 1, generator=generator, device=device)[rows]
+        tok, out_logp = sample(logits, temperature, top_k, top_p, generator, u)
+        out[rows, t], logprobs[rows, t] = tok, out_logp
         done |= torch.isin(tok, eos)
-        if t == max_new_tokens - 1 or done.all():  # the step's one host sync
+        n_done = int(done.sum()) if t < max_new_tokens - 1 else len(rows)  # the step's one host sync
+        if n_done == len(rows):
             break
+        if not static and n_done >= max(len(rows) // DROP_EVERY, 1):  # drop the finished rows
+            keep = (~done).nonzero()[:, 0]
+            dec.keep(keep)
+            rows, done, tok, pos, logits = rows[keep], done[keep], tok[keep], pos[keep], logits[keep]
         dec.keys[:, L + t] = True  # from now on every row attends to the slot this token is written to
         logits = dec(model, tok.unsqueeze(1), pos + t, slot + t)
 

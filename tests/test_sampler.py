@@ -54,11 +54,16 @@ def test_greedy_matches_uncached_argmax_and_hf(tmp_path):
     assert torch.equal(out.tokens, ref[:, L:])
 
 
-def test_per_row_eos_stop_and_early_exit():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_per_row_eos_stop_and_early_exit(temperature):
+    # rows that stop leave the batch (sampler.DROP_EVERY): the others must decode and draw exactly as in the run
+    # where no row stops (no EOS)
     model = tiny_model()
-    free = generate(model, PROMPTS, 10, temperature=0).tokens
+    gen = lambda: torch.Generator().manual_seed(0)
+    free_out = generate(model, PROMPTS * 3, 10, temperature=temperature, generator=gen())
+    free = free_out.tokens
     eos = [free[0, 2].item(), free[2, 0].item()]  # rows stop at different steps
-    out = generate(model, PROMPTS, 10, temperature=0, eos_ids=eos, pad_id=V - 1)
+    out = generate(model, PROMPTS * 3, 10, temperature=temperature, eos_ids=eos, pad_id=V - 1, generator=gen())
     stops = []
     for i, row in enumerate(free.tolist()):
         stop = next((t for t, tok in enumerate(row) if tok in eos), None)  # index of the first EOS, or None
@@ -67,7 +72,9 @@ def test_per_row_eos_stop_and_early_exit():
         assert out.mask[i, :n].all() and not out.mask[i, n:].any()
         assert out.tokens[i, :n].tolist() == row[:n] and (out.tokens[i, n:] == V - 1).all()
         assert out.truncated[i] == (stop is None) and (out.logprobs[i, n:] == 0).all()
+        assert (out.logprobs[i, :n] - free_out.logprobs[i, :n]).abs().max() <= 1e-5
     assert out.tokens.shape[1] == max(stops)  # the loop stopped once every row had
+    assert len(set(stops)) > 2  # several drops
     everyone = generate(model, PROMPTS, 10, temperature=0, eos_ids=list(range(V)))
     assert everyone.tokens.shape == (4, 1) and everyone.mask.all() and not everyone.truncated.any()
 

@@ -489,6 +489,20 @@ def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> lis
     return out + [[] for _ in range(n - len(out))]
 
 
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: sequences (lengths, host ints, each <= width) -> rows of at most width tokens, each
+    a list of sequence indices in the order they sit in the row. Longest first; ties keep their order."""
+    rows, used = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, u in enumerate(used) if u + lengths[i] <= width), len(rows))
+        if r == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[r].append(i)
+        used[r] += lengths[i]
+    return rows
+
+
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     """Clip the gradients' global norm to max_norm (0 = no clipping, the norm is still measured); returns the norm
     before clipping as a plain tensor (FSDP2's clip_grad_norm_ returns a DTensor: the global norm, replicated)."""

@@ -64,6 +64,7 @@ from common import (
     lr_at,
     make_generator,
     micro_batches,
+    pack_rows,
     parse_config,
     peak_mem_mb,
     print0,
@@ -149,6 +150,8 @@ class GRPOConfig:
     # memory
     micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
                                    "row; rows grouped by length; 0 = off)")
+    pack: bool = flag(True, "pack a micro-batch's sequences into rows as wide as its longest, "
+                      "attention kept within each: no compute on padding")
     activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
                                           "activations of one block, not all (+1 forward)")
     dry_run: bool = flag(False, "print the memory estimate per rank and exit")
@@ -369,12 +372,50 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
     return torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1)
 
 
-def completion_logprobs(model, inputs, targets, pos, temperature, dtype: str = "float32"):
-    """Trainer log-probs and entropy at the completion tokens: (N, Tc) each (entropy detached),
-    computed in `dtype` (the log-softmax itself in fp32). The model computes them chunk by chunk, so
-    full (N, L, vocab) fp32 logits never exist."""
+def micro_batch(inputs, targets, pos, rows: list[int], seq_len: list[int], pack: bool) -> dict:
+    """The forward's input for training rows `rows` of training_batch's (inputs, targets, pos):
+    seq_len[i] is row i's real length. Cut to W columns, the longest of these rows. pack: the rows'
+    sequences packed into as few rows of W tokens as fit (common.pack_rows), each attending only to
+    itself (segments), its RoPE positions restarting at 0. -> model.forward's keyword arguments:
+    tokens (R, W), targets (R, W), target_pos (n, Tc) flat indices of the completion tokens'
+    predictions (padding clamped to the sequence's last), and input_pos, segments (R, W) if packed."""
+    device, n = inputs.device, len(rows)
+    W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
+    ix = torch.tensor(rows, device=device)
+    bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
+    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
+    if len(bins) in (0, n):  # one sequence a row: padded rows, plain causal attention
+        flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
+        return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
+    # host: for each packed slot, its source (row, column) in inputs, its segment and position
+    src, seg, at, start = [], [], [], [0] * n
+    for r, members in enumerate(bins):
+        c = 0
+        for j in members:
+            start[j] = r * W + c
+            src += [rows[j] * inputs.shape[1] + k for k in range(seq_len[rows[j]])]
+            seg += [j] * seq_len[rows[j]]
+            at += range(seq_len[rows[j]])
+            c += seq_len[rows[j]]
+        src += [-1] * (W - c)  # padding: pad tokens, one segment of their own
+        seg += [-1] * (W - c)
+        at += [0] * (W - c)
+    src = torch.tensor(src, device=device)
+    real = src >= 0
+    tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
+    tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
+    flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
+    return {"tokens": tokens.view(-1, W), "targets": tgt.view(-1, W), "target_pos": flat,
+            "input_pos": torch.tensor(at, device=device).view(-1, W),
+            "segments": torch.tensor(seg, device=device).view(-1, W)}
+
+
+def completion_logprobs(model, mb: dict, temperature, dtype: str = "float32"):
+    """Trainer log-probs and entropy at the completion tokens of micro_batch `mb`: (n, Tc) each
+    (entropy detached), computed in `dtype` (the log-softmax itself in fp32). The model computes them
+    chunk by chunk at those positions alone, so full (n, L, vocab) fp32 logits never exist."""
     with autocast(model, dtype):
-        return model(inputs, targets=targets, temperature=temperature, target_pos=pos)  # the lm_head at pos only
+        return model(**mb, temperature=temperature)
 
 
 # what update() sums (this rank's): over the counted tokens of the first pass (ntok, entropy,
@@ -408,24 +449,23 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     # each micro-batch's row indices on the device, and its columns cut to its longest row
     # (short rows cost less)
     ix = [torch.tensor(idx or [0], device=device) for idx in micro]
-    cols = [max(seq_len[i] for i in idx or [0]) for idx in micro]
-    sliced = [_slice(*batch, ix[k], cols[k]) for k in range(n_micro)]
+    sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack) for idx in micro]
     old, ref_logp = [None] * n_micro, [None] * n_micro
     # old log-probs before the first update; reference log-probs for KL
     if cfg.mu > 1 or ref is not None:
         with torch.no_grad():
             for k in range(n_micro):
                 if cfg.mu > 1:
-                    old[k] = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)[0]
+                    old[k] = completion_logprobs(model, sliced[k], cfg.temperature, cfg.dtype)[0]
                 # with LoRA, ref is the policy itself and the base is it without adapters
                 if ref is not None:
                     with adapters_off(ref):
-                        ref_logp[k] = completion_logprobs(ref, *sliced[k], cfg.temperature, cfg.dtype)[0]
+                        ref_logp[k] = completion_logprobs(ref, sliced[k], cfg.temperature, cfg.dtype)[0]
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for pass_i in range(cfg.mu):
         for k, idx in enumerate(micro):
             with grad_sync(model, k == n_micro - 1):
-                logp, ent = completion_logprobs(model, *sliced[k], cfg.temperature, cfg.dtype)
+                logp, ent = completion_logprobs(model, sliced[k], cfg.temperature, cfg.dtype)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
                 tis = None
@@ -729,11 +769,6 @@ def main(argv=None):
 
 def _pad(x: torch.Tensor, T: int, value) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-
-def _slice(inputs, targets, pos, ix, L: int):
-    """Rows ix (a device tensor), cut to L columns (their longest real sequence)."""
-    return inputs[ix, :L], targets[ix, :L].clamp(min=0), pos[ix].clamp(max=L - 1)
 
 
 def _permutation_stream(n: int, seed: int):

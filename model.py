@@ -439,12 +439,14 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
-                last_only=False, target_pos=None):
+                last_only=False, target_pos=None, segments=None):
         """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
         number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
         positions, or over cache slots when a cache is passed; combined with causal attention.
         targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks;
-        with target_pos (B, Tp) long, only at those positions -> (B, Tp) each (the lm_head runs on them alone).
+        with target_pos (any shape) long, flat indices into the B * T positions, only at those -> target_pos's
+        shape each (the lm_head runs on them alone). segments (B, T) long, no cache: several sequences packed in
+        a row, each position attending causally within its own segment (give input_pos restarting at 0 for each).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -457,7 +459,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
         mask = None  # plain causal attention (or none at all for a single query)
-        if attn_mask is not None or (start > 0 and T > 1):
+        if segments is not None:  # packed sequences: causal within each segment
+            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            keep = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, T, T)
+            mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)[:, None]  # (B, 1, T, T)
+        elif attn_mask is not None or (start > 0 and T > 1):
             q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)
             k_slot = torch.arange(start + T, device=tokens.device)  # (S,)
             keep = k_slot <= q_slot  # (T, S) causal over slots
@@ -476,14 +482,13 @@ class Transformer(nn.Module):
         # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
         # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
         n = logits_chunk_tokens(self.config.vocab_size)
-        if target_pos is not None:  # only the positions whose log-probs are read: the lm_head runs on those alone
-            x = x.gather(1, target_pos.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, Tp, C)
-            targets = targets.gather(1, target_pos)  # (B, Tp)
-            T = target_pos.shape[1]
         h, t = x.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
+        shape = (B, T)
+        if target_pos is not None:  # only the positions whose log-probs are read: the lm_head runs on those alone
+            h, t, shape = h[target_pos.flatten()], t[target_pos.flatten()], target_pos.shape  # (M, C), (M,)
         out = [checkpoint(token_logp, hc, tc, self.lm_head, temperature, use_reentrant=False, preserve_rng_state=False)
                for hc, tc in zip(h.split(n), t.split(n))]
-        return torch.cat([o[0] for o in out]).view(B, T), torch.cat([o[1] for o in out]).view(B, T)
+        return torch.cat([o[0] for o in out]).view(shape), torch.cat([o[1] for o in out]).view(shape)
 
     def set_activation_checkpointing(self, on: bool = True):
         """Recompute each transformer block in backward instead of keeping its activations (--activation_checkpointing):

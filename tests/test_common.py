@@ -182,3 +182,12 @@ def test_grad_clip_zero_is_off():
     assert all((p.grad == 10.0).all() for p in lin.parameters())
     common.clip_grad_norm(lin, 1.0)
     assert abs(torch.cat([p.grad.flatten() for p in lin.parameters()]).norm().item() - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 8, 2, 2, 7, 1], [8] * 4, [1] * 9, [6]])
+def test_pack_rows_places_every_sequence_once_within_the_width(lengths):
+    rows = common.pack_rows(lengths, 8)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
+    # first-fit decreasing is within 11/9 OPT + 1 rows; OPT >= the tokens over the width
+    assert len(rows) <= 11 / 9 * -(-sum(lengths) // 8) + 1

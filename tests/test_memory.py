@@ -194,17 +194,21 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path):
     out here from full log-softmax logits."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 61, (n,), generator=gen).tolist() for n in (4, 11, 6, 3, 9, 5)]
-    n_comp = [7, 2, 12, 5, 1, 9]
+    n_comp = [7, 2, 12, 5, 1, 2]
     Tc = max(n_comp)
     comp = torch.randint(3, 61, (6, Tc), generator=gen)
     mask = torch.arange(Tc)[None, :] < torch.tensor(n_comp)[:, None]  # (6, Tc)
     adv = torch.tensor([[0.5], [-1.0], [0.25], [0.0], [1.5], [-0.75]])  # row 3: advantage 0, skipped
     w = mask.float() / mask.sum()  # dapo-like token weights
     batch = grpo.training_batch(prompts, comp, n_comp, pad_id=0)
-    seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]
+    seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]  # 10, 12, 17, 7, 9, 6
+    # the 5 rows that train (not row 3) packed into 4 rows of 17 tokens: [17], [12], [10, 6], [9]
+    assert grpo.micro_batch(*batch, [0, 1, 2, 4, 5], seq_len, True)["tokens"].shape == (4, 17)
     grads = []
-    for rows, tokens in [(0, 0), (0, 25), (2, 18)]:  # one batch; token budgets (and a row cap) splitting it
-        cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, grad_clip=1e9, out_dir=str(tmp_path))
+    # one batch, padded or packed (--pack: sequences share rows); token budgets (and a row cap) splitting it
+    for rows, tokens, pack in [(0, 0, False), (0, 0, True), (0, 25, True), (2, 18, True), (3, 40, True)]:
+        cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, pack=pack, grad_clip=1e9,
+                              out_dir=str(tmp_path))
         model = _model()
         opt = _RecordingOptimizer(model)
         grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(6, Tc), cfg, 1)

@@ -180,7 +180,7 @@ def test_logp_at_target_positions_matches_the_full_log_softmax():
     ours.load_state_dict(randomize(ref).state_dict())
     x, y = tokens(3, 17, seed=1), tokens(3, 17, seed=2)
     pos = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 16], [9, 9, 9, 9]])  # (3, 4): ragged rows repeat a clamped position
-    logp, entropy = ours(x, targets=y, target_pos=pos)
+    logp, entropy = ours(x, targets=y, target_pos=pos + 17 * torch.arange(3)[:, None])  # flat indices
     full = ref(x).log_softmax(-1)  # (B, T, V)
     want = full.gather(-1, y.unsqueeze(-1)).squeeze(-1).gather(1, pos)  # (3, 4)
     assert logp.shape == entropy.shape == (3, 4) and (logp - want).abs().max() <= 1e-5

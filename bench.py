@@ -21,9 +21,13 @@ ours, then the floor), so background load hits both alike. Printed: both medians
 --warmup, their ratio, each side's generate/train split, and the compute floor of our step: a forward+backward
 of the trained tokens packed without padding (rows as wide as the longest) plus one forward of the generated
 tokens, packed the same way. Without TRL installed the TRL side is skipped (one line) and the rest still runs.
+--ablate adds grpo.py's step without each of its speed-ups (--pack off; finished rows kept in the decode batch) and
+with the compiled static decode step (compile=True; its first step compiles, inside the warm-up), each on its own
+copy of the model, interleaved with the rest.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -35,6 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import grpo
+import sampler
 from data import format_prompt, load_task
 from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
 from sampler import generate
@@ -232,7 +237,7 @@ def trl_trainer(model_dir, prompt_text: list[str], cfg: grpo.GRPOConfig, total_s
     return trainer
 
 
-def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True) -> dict:
+def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool = False) -> dict:
     """Runs both sides interleaved step by step; prints and returns the medians (seconds)."""
     torch.set_num_threads(threads)
     total = warmup + steps
@@ -245,10 +250,25 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True) -> dict:
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[: total * 8].tolist()
         text = [format_prompt(rows[i]["question"], "short")[0] for i in order]
         ours = OurSide(model_dir, [tok.encode(t) for t in text], cfg)
+        # --ablate: grpo.py's step again without one of its speed-ups each, on its own copy of the model
+        # (cfg, sampler.DROP_EVERY, the CPU's decode modes)
+        plain = {"static": False, "compile": False, "cuda_graph": False}
+        variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain),
+                    "without dropping finished rows": (cfg, math.inf, plain),
+                    "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True})}
+        variants = variants if ablate else {}
+        others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 
         def our_step(step):
             seq_len, gen_len = ours.step(step)
             ours.floor(seq_len, gen_len)
+            for name, side in others.items():
+                defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"]
+                sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = variants[name][1:]
+                try:
+                    side.step(step)
+                finally:
+                    sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = defaults
 
         try:
             import trl  # noqa: F401
@@ -287,6 +307,11 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True) -> dict:
         res["ratio"] = res["trl"] / res["ours"]
         print(f"TRL GRPOTrainer: median {res['trl']:.2f} s/step (generate {res['trl_gen']:.2f} s, train "
               f"{res['trl_train']:.2f} s; mean completion {res['trl_len']:.1f} tokens)")
+    for name, side in others.items():
+        gen, train = med([g for g, _ in side.times]), med([t for _, t in side.times])
+        res[name] = gen + train
+        print(f"grpo.py {name}: median {gen + train:.2f} s/step (generate {gen:.2f} s, train {train:.2f} s): "
+              f"{(gen + train) / res['ours']:.2f}x grpo.py's")
     print(f"floor of our step: {res['floor']:.2f} s (forward+backward of the trained tokens packed "
           f"{res['floor_train']:.2f} s + one forward of the generated ones {res['floor_gen']:.2f} s); "
           f"grpo.py is {res['ours'] / res['floor']:.2f}x the floor")
@@ -305,9 +330,11 @@ def main():
     p.add_argument("--vs_trl", action="store_true", help="time one GRPO step against TRL's GRPOTrainer instead")
     p.add_argument("--steps", type=int, default=20, help="--vs_trl: measured steps per side")
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
+    p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
+                   "speed-ups (--pack; dropping finished rows) and with compile=True, interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:
-        return vs_trl(args.steps, args.warmup, args.threads or 2)
+        return vs_trl(args.steps, args.warmup, args.threads or 2, ablate=args.ablate)
     if args.threads:
         torch.set_num_threads(args.threads)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])

@@ -11,8 +11,8 @@
 #   bash demo.sh                      # defaults: 2 processes (torchrun), runs/ as the output folder
 #   NPROC=1 OUT=/tmp/demo bash demo.sh
 #   MIN_START=0 SFT_FLAGS="--steps 20" GRPO_FLAGS="--steps 5" EVAL_FLAGS="--split test[:16]" bash demo.sh  # a try
-# Stopped midway? Run it again: each stage resumes from its newest checkpoint (--resume auto). To start over,
-# delete $OUT or pick another OUT.
+# Stopped midway? Run it again: each stage resumes from its newest checkpoint (--resume auto; SFT saves one every
+# 500 steps, GRPO every 250), bitwise as if uninterrupted. To start over, delete $OUT or pick another OUT.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -39,7 +39,7 @@ launch() {  # launch SCRIPT FLAGS...: torchrun with NPROC processes, or plain py
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per process: NPROC processes share the cores
 
 echo "== 1/3 SFT warm start -> $OUT/sft/model, then its held-out eval"
-launch sft.py --out_dir "$OUT/sft" ${SFT[@]+"${SFT[@]}"}
+launch sft.py --out_dir "$OUT/sft" --save_every 500 ${SFT[@]+"${SFT[@]}"}
 launch eval.py --model "$OUT/sft/model" --out_dir "$OUT/eval_sft" --samples 8 --temperature 1 ${EVAL[@]+"${EVAL[@]}"}
 python - "$OUT" "$MIN_START" <<'EOF'
 import json, sys
@@ -52,7 +52,7 @@ if start < floor:
 EOF
 
 echo "== 2/3 GRPO -> $OUT/grpo"
-launch grpo.py --init "$OUT/sft/model" --out_dir "$OUT/grpo" ${GRPO[@]+"${GRPO[@]}"}
+launch grpo.py --init "$OUT/sft/model" --out_dir "$OUT/grpo" --save_every 250 ${GRPO[@]+"${GRPO[@]}"}
 
 echo "== 3/3 eval after GRPO, on the same held-out problems"
 launch eval.py --model "$OUT/grpo" --out_dir "$OUT/eval_grpo" --samples 8 --temperature 1 ${EVAL[@]+"${EVAL[@]}"}

@@ -383,7 +383,6 @@ def micro_batch(inputs, targets, pos, rows: list[int], seq_len: list[int], pack:
     W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
     ix = torch.tensor(rows, device=device)
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
-    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
     if len(bins) in (0, n):  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
         return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
@@ -404,6 +403,7 @@ def micro_batch(inputs, targets, pos, rows: list[int], seq_len: list[int], pack:
     real = src >= 0
     tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
     tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
+    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
     flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
     return {"tokens": tokens.view(-1, W), "targets": tgt.view(-1, W), "target_pos": flat,
             "input_pos": torch.tensor(at, device=device).view(-1, W),

@@ -252,9 +252,10 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         ours = OurSide(model_dir, [tok.encode(t) for t in text], cfg)
         # --ablate: grpo.py's step again without one of its speed-ups each, on its own copy of the model
         # (cfg, sampler.DROP_EVERY, the CPU's decode modes)
-        plain = {"static": False, "compile": False, "cuda_graph": False}
+        plain = dict(sampler.DEFAULTS["cpu"])
         variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain),
                     "without dropping finished rows": (cfg, math.inf, plain),
+                    "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False}),
                     "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True})}
         variants = variants if ablate else {}
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}

@@ -247,6 +247,60 @@ class KVCache:
         return self.k_layers[layer][:, :end], self.v_layers[layer][:, :end]
 
 
+class SharedPromptCache:
+    """The sampler's cache for G samples of each of P prompts, decoding one token a step: each prompt's keys and
+    values once, k_prompt, v_prompt (layers, P, kv_heads, L, D) with pad_bias (P, 1, 1, L) (0 or -inf: the left
+    padding), and the N = P * G rows' own new tokens, k, v (layers, N, kv_heads, max_len, D). A query attends to
+    both at once (one softmax over L + length slots) and reads the prompt's slots once for its G rows, not G times.
+    rows (n,): which of the N rows (prompt-major, row = prompt * G + sample) are still decoding."""
+
+    def __init__(self, prompt: KVCache, real, G: int, max_len: int):
+        self.k_prompt = prompt.k.transpose(2, 3).contiguous()  # (layers, P, Hkv, L, D)
+        self.v_prompt = prompt.v.transpose(2, 3).contiguous()
+        P, L = real.shape  # real (P, L) bool: the prompt slots that hold tokens
+        self.pad_bias = torch.zeros(P, 1, 1, L, dtype=prompt.k.dtype, device=real.device).masked_fill_(
+            ~real[:, None, None], float("-inf"))
+        layers, _, _, Hkv, D = prompt.k.shape
+        self.k = prompt.k.new_zeros(layers, P * G, Hkv, max_len, D)
+        self.v = torch.zeros_like(self.k)
+        self.G, self.max_len, self.length = G, max_len, 0
+        self.rows = torch.arange(P * G, device=real.device)
+
+    def keep_rows(self, rows):  # rows (n,) long, indices into the rows left: keep these (a copy of their slots)
+        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+        self.rows = self.rows[rows]
+
+    def attend(self, layer, q, k, v):
+        """q (n, 1, H, D) this step's queries, k, v (n, 1, Hkv, D) its keys and values (written at slot length)
+        -> (n, 1, H * D): softmax(q K^T / sqrt(D)) V over the row's prompt slots and its new ones."""
+        n, _, H, D = q.shape
+        P, Hkv, L = self.pad_bias.shape[0], k.shape[2], self.pad_bias.shape[-1]
+        t = self.length + 1
+        self.k[layer, :, :, t - 1] = k[:, 0]
+        self.v[layer, :, :, t - 1] = v[:, 0]
+        q = q.view(n, Hkv, H // Hkv, D) * D**-0.5  # a kv head's H / Hkv query heads side by side
+        grid = q if n == len(self.pad_bias) * self.G else q.new_zeros(P * self.G, *q.shape[1:]).index_copy_(
+            0, self.rows, q)  # (P * G, Hkv, g, D): finished rows' queries are zero, their scores unread
+        grid = grid.unflatten(0, (P, self.G)).transpose(1, 2).flatten(2, 3)  # (P, Hkv, G * g, D)
+        s_prompt = torch.matmul(grid, self.k_prompt[layer].transpose(-1, -2)) + self.pad_bias  # (P, Hkv, G * g, L)
+        s_prompt = s_prompt.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)  # (P * G, Hkv, g, L)
+        if n < len(s_prompt):
+            s_prompt = s_prompt.index_select(0, self.rows)
+        k_new, v_new = self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (n, Hkv, t, D)
+        w = torch.cat((s_prompt, torch.matmul(q, k_new.transpose(-1, -2))), -1)  # (n, Hkv, g, L + t)
+        w = w.float().softmax(-1).to(self.k.dtype)  # (in fp32, as SDPA does)
+        w_prompt = w[..., :L]
+        if n < P * self.G:
+            w_prompt = w.new_zeros(P * self.G, *w_prompt.shape[1:]).index_copy_(0, self.rows, w_prompt)
+        w_prompt = w_prompt.unflatten(0, (P, self.G)).transpose(1, 2).flatten(2, 3)  # (P, Hkv, G * g, L)
+        y = torch.matmul(w_prompt, self.v_prompt[layer])  # (P, Hkv, G * g, D)
+        y = y.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)  # (P * G, Hkv, g, D)
+        if n < len(y):
+            y = y.index_select(0, self.rows)
+        y = y + torch.matmul(w[..., L:], v_new)  # (n, Hkv, g, D)
+        return y.reshape(n, 1, H * D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -261,6 +315,8 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, H, D)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if isinstance(cache, SharedPromptCache):  # the sampler's decode step: G rows share each prompt's slots
+            return self.o_proj(cache.attend(layer, q, k, v))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, S, Hkv, D), S = slots filled so far
         # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads

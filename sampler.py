@@ -5,7 +5,9 @@
     out.tokens, out.mask, out.logprobs  # (N, T) each, N = len(prompts) * num_samples, row = prompt * G + sample
 
 Prompts are left-padded so every row writes its next token to the same cache slot; per-row RoPE positions
-and a key mask make the padding exactly invisible. The decode loop does a fixed number of tensor ops per step
+and a key mask make the padding exactly invisible. On the CPU (shared_prompt) a prompt's G rows attend to its
+slots held once (model.SharedPromptCache), one softmax over them and the row's own new slots; else each row
+holds a copy of them. The decode loop does a fixed number of tensor ops per step
 whatever the batch size, and one host sync ("how many rows are done?"). Finished rows keep decoding (their
 tokens are masked) until they are 1/8 of the rows left; then the growing forward drops them (one copy of the
 cache), so a batch whose rows stop early stops paying for them. The static step keeps every row (fixed shapes).
@@ -20,7 +22,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from model import KVCache, rope_cos_sin
+from model import KVCache, SharedPromptCache, rope_cos_sin
 
 
 @dataclass
@@ -79,7 +81,7 @@ def gathered(model):
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
              top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, noise=None,
-             static=None, compile=None, cuda_graph=None) -> Generation:
+             static=None, compile=None, cuda_graph=None, shared_prompt=None) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
     from `generator` (on the model's device), or from `noise`: (N, max_new_tokens) uniforms in [0, 1) on the
     model's device, row i's draw at step t being noise[i, t], so a row's samples do not depend on which other
@@ -90,8 +92,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     compile=True runs decode_step through torch.compile (the first call of a shape compiles, for tens of seconds;
     later calls reuse it); cuda_graph=True replays it as a CUDA graph captured once per batch shape and reused
     across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
-    None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was chosen). Every mode
-    samples the same tokens; log-probs agree to float rounding."""
+    shared_prompt=True (the growing forward, num_samples > 1): the G rows of a prompt attend to its cache slots
+    held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once per step for
+    its G samples. None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was
+    chosen). Every mode samples the same tokens; log-probs agree to float rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config
@@ -108,7 +112,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"generator on {generator.device}, model on {device}: use torch.Generator({device.type!r})")
     if noise is not None and tuple(noise.shape) != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(f"noise of shape {tuple(noise.shape)}: expected (prompts * num_samples, max_new_tokens)")
-    default = DEFAULTS.get(device.type, {"static": False, "compile": False, "cuda_graph": False})
+    default = DEFAULTS.get(device.type, {"static": False, "compile": False, "cuda_graph": False,
+                                         "shared_prompt": False})
+    shared_prompt = default["shared_prompt"] if shared_prompt is None else shared_prompt
     compile = default["compile"] if compile is None else compile
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     cuda_graph = (default["cuda_graph"] and not sharded) if cuda_graph is None else cuda_graph
@@ -118,13 +124,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
-                         generator, noise, static, compile, cuda_graph)
+                         generator, noise, static, compile, cuda_graph, shared_prompt)
 
 
 # device type -> generate()'s modes when given None: chosen by measurement (docs/speed.md, "Decoding speed"). CUDA: not
 # measured yet, so off there too
-DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False},
-            "cuda": {"static": False, "compile": False, "cuda_graph": False}}
+DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": True},
+            "cuda": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": False}}
 DROP_EVERY = 8  # the growing forward drops the finished rows once they are 1/8 of the rows left (a cache copy)
 SLOT_BUCKET = 32  # the cache length is rounded up to a multiple of this: fewer distinct shapes to compile / capture
 
@@ -151,8 +157,9 @@ class _SlotWriter:
         self.cache, self.slot = cache, slot
 
     def update(self, layer, k, v):  # k, v (N, 1, Hkv, D) -> (N, S, Hkv, D) each
-        self.cache.k_layers[layer].index_copy_(1, self.slot, k)
-        self.cache.v_layers[layer].index_copy_(1, self.slot, v)
+        # (under autocast k comes out fp32, RoPE's tables being fp32: index_copy_ casts nothing itself)
+        self.cache.k_layers[layer].index_copy_(1, self.slot, k.to(self.cache.k.dtype))
+        self.cache.v_layers[layer].index_copy_(1, self.slot, v.to(self.cache.v.dtype))
         return self.cache.k_layers[layer], self.cache.v_layers[layer]
 
 
@@ -164,10 +171,11 @@ class Decoder:
     static=False: the model's forward over the slots filled so far. With cuda_graph the first call captures the
     static step (on copies of its inputs) and later calls replay it."""
 
-    def __init__(self, cfg, N, S, device, dtype, static, compile, cuda_graph):
+    def __init__(self, cfg, N, S, device, dtype, static, compile, cuda_graph, cache=None):
         global _compiled_step
-        self.cache = KVCache(cfg, N, S, device, dtype)
-        self.keys = torch.zeros(N, S, dtype=torch.bool, device=device)
+        self.cache = KVCache(cfg, N, S, device, dtype) if cache is None else cache
+        # a SharedPromptCache (given) masks the prompts' padding itself and needs no key mask
+        self.keys = torch.zeros(N, S, dtype=torch.bool, device=device) if cache is None else None
         if compile and _compiled_step is None:  # one compiled function for the process: its graphs are reused
             _compiled_step = torch.compile(decode_step)
         self.step = _compiled_step if compile else decode_step
@@ -175,7 +183,8 @@ class Decoder:
 
     def keep(self, rows):  # rows (n,) long: keep these rows of the cache and the key mask, in this order
         self.cache.keep_rows(rows)
-        self.keys = self.keys[rows]
+        if self.keys is not None:
+            self.keys = self.keys[rows]
 
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
         if not self.static:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
@@ -214,7 +223,7 @@ def decoder(model, N, S, device, dtype, static, compile, cuda_graph) -> Decoder:
 
 
 def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, noise,
-              static, compile, cuda_graph):
+              static, compile, cuda_graph, shared_prompt):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
     device, dtype = weight.device, weight.dtype
     if torch.is_autocast_enabled(device.type):  # bf16 compute over fp32 weights: the cache holds what it computes
@@ -230,12 +239,16 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     # prefill each prompt once, then copy its cache rows to its G samples
     prefill = KVCache(cfg, P, L, device, dtype)
     logits = model(tokens, cache=prefill, input_pos=pos, attn_mask=real, last_only=True)[:, -1]  # (P, V)
-    dec = decoder(model, N, S, device, dtype, static, compile, cuda_graph)
-    dec.cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
-    dec.cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
-    dec.cache.length = L  # (static: unused)
+    if shared_prompt and G > 1 and not static:  # the G rows of a prompt attend to its slots, held once
+        shared = SharedPromptCache(prefill, real, G, max_new_tokens)
+        dec = Decoder(cfg, N, S, device, dtype, False, False, False, shared)
+    else:  # or to their own copies of them
+        dec = decoder(model, N, S, device, dtype, static, compile, cuda_graph)
+        dec.cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
+        dec.cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
+        dec.cache.length = L  # (static: unused)
+        dec.keys.zero_()[:, :L] = real.repeat_interleave(G, 0)  # (N, S): the prompts' real slots; decode slots follow
     del prefill
-    dec.keys.zero_()[:, :L] = real.repeat_interleave(G, 0)  # (N, S): the prompts' real slots; decode slots follow
     pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1) position of the first new token
     slot = torch.tensor([L], device=device)  # (1,) the cache slot of the first new token
     logits = logits.repeat_interleave(G, 0)  # (N, V)
@@ -261,7 +274,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
             keep = (~done).nonzero()[:, 0]
             dec.keep(keep)
             rows, done, tok, pos, logits = rows[keep], done[keep], tok[keep], pos[keep], logits[keep]
-        dec.keys[:, L + t] = True  # from now on every row attends to the slot this token is written to
+        if dec.keys is not None:
+            dec.keys[:, L + t] = True  # from now on every row attends to the slot this token is written to
         logits = dec(model, tok.unsqueeze(1), pos + t, slot + t)
 
     out, logprobs = out[:, : t + 1], logprobs[:, : t + 1]

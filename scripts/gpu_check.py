@@ -4,6 +4,9 @@ scripts/gpu_check.sh; --tiny runs the same checks at toy shapes on the CPU (a de
   (a) logits: our Transformer vs transformers' on the same weights, fp32 and bf16 (autocast over fp32 weights)
   (b) sampler: tok/s of sampler.generate (bf16 autocast, as grpo.py samples) vs transformers' generate (bf16
       weights) vs the bandwidth bound: bytes of bf16 weights + KV cache read per decode step / --hbm_gbs
+  (b2) decode modes at GRPO's shape (8 prompts x G=8): tok/s of generate's growing forward (G copies of each
+      prompt's cache, or shared_prompt: one), the static step, compiled, as a CUDA graph; tokens equal to the growing
+      forward's (the fraction: bf16 rounding differs between modes), to choose sampler.DEFAULTS["cuda"]
   (c) training: SFT and GRPO steps of the 1.5B shape (8 prompts x G=8, 256 new tokens), plain and --dist fsdp on 1
       rank: s/step (generate / train) and peak memory, from each run's metrics.jsonl
   (d) everything in one JSON file (--out) and a printed table
@@ -155,6 +158,36 @@ def _bench(name, ours, hf, B, device, tiny, hbm_gbs) -> dict:
                 ours_of_bound=B * new / t_ours / bound)  # fmt: skip
 
 
+def bench_decode_modes(name, path, device, tiny) -> list[dict]:
+    from model import load_model
+
+    model = load_model(path, device=device)
+    P, G, L, new = (2, 2, 8, 8) if tiny else (8, 8, 64, 128)
+    prompts = torch.randint(3, model.config.vocab_size, (P, L), generator=torch.Generator().manual_seed(1)).tolist()
+    modes = {"growing": dict(static=False, shared_prompt=False), "static": dict(static=True),
+             "shared_prompt": dict(static=False, shared_prompt=True)}
+    if not tiny:  # (compiling on the CPU takes a minute: not in the test's toy run)
+        modes["compile"] = dict(compile=True)
+    if device.type == "cuda":
+        modes |= {"cuda_graph": dict(cuda_graph=True), "compile+cuda_graph": dict(compile=True, cuda_graph=True)}
+
+    def run(mode):
+        with common.autocast(model, "bfloat16"):
+            return generate(model, prompts, new, num_samples=G, temperature=1.0, eos_ids=(),
+                            generator=torch.Generator(device=device).manual_seed(0), **mode)
+
+    rows, ref = [], None
+    for mode_name, mode in modes.items():
+        out = run(mode)  # warm-up: compiles / captures
+        ref = out.tokens if ref is None else ref
+        t = statistics.median(timed(lambda: run(mode), device) for _ in range(1 if tiny else 3))  # noqa: B023
+        rows.append(dict(check="decode", model=name, mode=mode_name, rows=P * G, new_tokens=new,
+                         tok_s=P * G * new / t, tokens_equal=(out.tokens == ref).float().mean().item()))
+    for r in rows:
+        r["vs_growing"] = r["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # (c) SFT and GRPO steps, plain and FSDP2 on one rank
 
@@ -205,7 +238,7 @@ def train_runs(path, work: Path, device, tiny) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = []
-    for check in ("logits", "sampler", "train"):
+    for check in ("logits", "sampler", "decode", "train"):
         part = [r for r in rows if r["check"] == check]
         if not part:
             continue
@@ -222,7 +255,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (what the default test runs)")
     p.add_argument("--out", default="gpu_check.json", help="the JSON file of every figure")
     p.add_argument("--hbm_gbs", type=float, default=4800.0, help="memory bandwidth, GB/s (H200: 4800)")
-    p.add_argument("--only", default="logits,sampler,train", help="which checks (comma list)")
+    p.add_argument("--only", default="logits,sampler,decode,train", help="which checks (comma list)")
     p.add_argument("--make_model", default="", help="only write a random HF dir of this shape to --out_dir")
     p.add_argument("--out_dir", default="", help="with --make_model: where")
     args = p.parse_args()
@@ -244,6 +277,8 @@ def main():
         for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
             rows += bench_sampler(name, dirs[name], device, args.tiny, args.hbm_gbs) if "sampler" in only else []
         print(f"[{time.perf_counter() - t0:.0f}s] sampler done", flush=True)
+        rows += bench_decode_modes("qwen2.5-0.5b", dirs["qwen2.5-0.5b"], device, args.tiny) if "decode" in only else []
+        print(f"[{time.perf_counter() - t0:.0f}s] decode modes done", flush=True)
         if "train" in only:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the subprocesses need the GPU memory

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh --tiny: the GPU acceptance run at toy shapes on the CPU, so it keeps working between GPU
-sessions (every check runs: logits vs transformers, the sampler benchmark, SFT / GRPO plain and FSDP2 on 1 rank)."""
+sessions (every check runs: logits vs transformers, the sampler benchmark, the decode modes, SFT / GRPO plain and
+FSDP2 on 1 rank)."""
 
 import json
 import math
@@ -22,6 +23,9 @@ def test_gpu_check_tiny(tmp_path):
     assert all(x["vs_fp32"] > 0 for x in logits if x["dtype"] == "bfloat16")  # bf16 compute really ran
     sampler = [x for x in rows if x["check"] == "sampler"]
     assert len(sampler) == 4 and all(x["ours_tok_s"] > 0 and x["hf_tok_s"] > 0 for x in sampler)
+    decode = {x["mode"]: x for x in rows if x["check"] == "decode"}
+    assert set(decode) == {"growing", "shared_prompt", "static"} and all(x["tok_s"] > 0 for x in decode.values())
+    assert decode["growing"]["tokens_equal"] == 1 and all(0 <= x["tokens_equal"] <= 1 for x in decode.values())
     train = {(x["stage"], x["dist"]): x for x in rows if x["check"] == "train"}
     assert set(train) == {(s, d) for s in ("sft", "grpo") for d in ("none", "fsdp")}
     assert all(x["steps"] == 2 and x["mem_peak_mb"] > 0 for x in train.values())

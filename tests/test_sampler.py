@@ -236,3 +236,37 @@ def test_cuda_graph_replays_equal_eager():
 def test_cuda_graph_needs_cuda():
     with pytest.raises(ValueError, match="cuda_graph=True needs"):
         generate(tiny_model(), PROMPTS, 2, cuda_graph=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prompt_slots_equal_per_row_copies(temperature):
+    # shared_prompt (the CPU default for num_samples > 1): each prompt's cache slots held once for its G rows,
+    # against G copies of them attended with SDPA (itself checked against uncached decoding and HF above); rows
+    # stop at different steps and leave the batch, the prompts are ragged (left padding masked), 4 heads share 2
+    model = tiny_model(1)
+    run = lambda shared, eos=(): generate(model, PROMPTS * 2, 11, num_samples=4, temperature=temperature, eos_ids=eos,
+                                          generator=torch.Generator().manual_seed(0), shared_prompt=shared)
+    eos = [run(False).tokens[0, 2].item(), run(False).tokens[5, 0].item()]
+    for stops in ((), eos):
+        copies, shared = run(False, stops), run(True, stops)
+        assert torch.equal(shared.tokens, copies.tokens) and torch.equal(shared.mask, copies.mask)
+        assert (shared.logprobs - copies.logprobs).abs().max() <= 1e-5
+    assert len(set(shared.mask.sum(1).tolist())) > 2  # rows stopped at several steps: dropped rows exercised
+    for i, prompt in enumerate(p for p in PROMPTS * 2 for _ in range(4)):  # and against teacher forcing
+        n = int(shared.mask[i].sum())
+        seq = torch.tensor([prompt + shared.tokens[i, :n].tolist()])
+        with torch.no_grad():
+            logits = model(seq)[0, len(prompt) - 1 : -1]
+        want = reference_logp(logits, max(temperature, 1.0), 0, 1.0).gather(-1, seq[0, len(prompt):, None])[:, 0]
+        assert (shared.logprobs[i, :n] - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", [dict(static=False, shared_prompt=False), dict(shared_prompt=True),
+                                  dict(static=True)])
+def test_decode_modes_under_bf16_autocast(mode):
+    # grpo.py --dtype bfloat16 samples under torch.autocast: fp32 weights, a bf16 cache, RoPE's tables fp32
+    model = tiny_model(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, PROMPTS, 9, num_samples=3, temperature=0, **mode)
+    want = generate(model, PROMPTS, 9, num_samples=3, temperature=0)  # fp32
+    assert out.logprobs.isfinite().all() and (out.tokens == want.tokens).float().mean() >= 0.9

@@ -21,9 +21,9 @@ ours, then the floor), so background load hits both alike. Printed: both medians
 --warmup, their ratio, each side's generate/train split, and the compute floor of our step: a forward+backward
 of the trained tokens packed without padding (rows as wide as the longest) plus one forward of the generated
 tokens, packed the same way. Without TRL installed the TRL side is skipped (one line) and the rest still runs.
---ablate adds grpo.py's step without each of its speed-ups (--pack off; finished rows kept in the decode batch) and
-with the compiled static decode step (compile=True; its first step compiles, inside the warm-up), each on its own
-copy of the model, interleaved with the rest.
+--ablate adds grpo.py's step without each of its speed-ups (--pack off; finished rows kept in the decode batch;
+each row its own copy of its prompt's cache slots) and with the compiled static decode step (compile=True; its
+first step compiles, inside the warm-up), each on its own copy of the model, interleaved with the rest.
 """
 
 import argparse
@@ -332,7 +332,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="--vs_trl: measured steps per side")
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
     p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
-                   "speed-ups (--pack; dropping finished rows) and with compile=True, interleaved with the rest")
+                   "speed-ups (--pack; dropping finished rows; shared prompt slots) and with compile=True, "
+                   "interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:
         return vs_trl(args.steps, args.warmup, args.threads or 2, ablate=args.ablate)

@@ -180,7 +180,7 @@ def bench_decode_modes(name, path, device, tiny) -> list[dict]:
     for mode_name, mode in modes.items():
         out = run(mode)  # warm-up: compiles / captures
         ref = out.tokens if ref is None else ref
-        t = statistics.median(timed(lambda: run(mode), device) for _ in range(1 if tiny else 3))  # noqa: B023
+        t = statistics.median(timed(lambda: run(mode), device) for _ in range(1 if tiny else 2))  # noqa: B023
         rows.append(dict(check="decode", model=name, mode=mode_name, rows=P * G, new_tokens=new,
                          tok_s=P * G * new / t, tokens_equal=(out.tokens == ref).float().mean().item()))
     for r in rows:

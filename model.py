@@ -270,33 +270,31 @@ class SharedPromptCache:
         self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
         self.rows = self.rows[rows]
 
+    def _to_grid(self, x):  # (n, Hkv, g, X) -> (P, Hkv, G * g, X); rows that have left are zero (and unread)
+        N = len(self.pad_bias) * self.G
+        if len(x) < N:
+            x = x.new_zeros(N, *x.shape[1:]).index_copy_(0, self.rows, x)
+        return x.unflatten(0, (len(self.pad_bias), self.G)).transpose(1, 2).flatten(2, 3)
+
+    def _from_grid(self, x):  # (P, Hkv, G * g, X) -> (n, Hkv, g, X): the rows still decoding
+        x = x.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)
+        return x if len(self.rows) == len(x) else x.index_select(0, self.rows)
+
     def attend(self, layer, q, k, v):
         """q (n, 1, H, D) this step's queries, k, v (n, 1, Hkv, D) its keys and values (written at slot length)
         -> (n, 1, H * D): softmax(q K^T / sqrt(D)) V over the row's prompt slots and its new ones."""
         n, _, H, D = q.shape
-        P, Hkv, L = self.pad_bias.shape[0], k.shape[2], self.pad_bias.shape[-1]
+        Hkv, L = k.shape[2], self.pad_bias.shape[-1]
         t = self.length + 1
         self.k[layer, :, :, t - 1] = k[:, 0]
         self.v[layer, :, :, t - 1] = v[:, 0]
         q = q.view(n, Hkv, H // Hkv, D) * D**-0.5  # a kv head's H / Hkv query heads side by side
-        grid = q if n == len(self.pad_bias) * self.G else q.new_zeros(P * self.G, *q.shape[1:]).index_copy_(
-            0, self.rows, q)  # (P * G, Hkv, g, D): finished rows' queries are zero, their scores unread
-        grid = grid.unflatten(0, (P, self.G)).transpose(1, 2).flatten(2, 3)  # (P, Hkv, G * g, D)
-        s_prompt = torch.matmul(grid, self.k_prompt[layer].transpose(-1, -2)) + self.pad_bias  # (P, Hkv, G * g, L)
-        s_prompt = s_prompt.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)  # (P * G, Hkv, g, L)
-        if n < len(s_prompt):
-            s_prompt = s_prompt.index_select(0, self.rows)
+        grid_q = self._to_grid(q)  # (P, Hkv, G * g, D)
+        s_prompt = self._from_grid(torch.matmul(grid_q, self.k_prompt[layer].transpose(-1, -2)) + self.pad_bias)
         k_new, v_new = self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (n, Hkv, t, D)
         w = torch.cat((s_prompt, torch.matmul(q, k_new.transpose(-1, -2))), -1)  # (n, Hkv, g, L + t)
         w = w.float().softmax(-1).to(self.k.dtype)  # (in fp32, as SDPA does)
-        w_prompt = w[..., :L]
-        if n < P * self.G:
-            w_prompt = w.new_zeros(P * self.G, *w_prompt.shape[1:]).index_copy_(0, self.rows, w_prompt)
-        w_prompt = w_prompt.unflatten(0, (P, self.G)).transpose(1, 2).flatten(2, 3)  # (P, Hkv, G * g, L)
-        y = torch.matmul(w_prompt, self.v_prompt[layer])  # (P, Hkv, G * g, D)
-        y = y.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)  # (P * G, Hkv, g, D)
-        if n < len(y):
-            y = y.index_select(0, self.rows)
+        y = self._from_grid(torch.matmul(self._to_grid(w[..., :L]), self.v_prompt[layer]))  # (n, Hkv, g, D)
         y = y + torch.matmul(w[..., L:], v_new)  # (n, Hkv, g, D)
         return y.reshape(n, 1, H * D)
 

@@ -224,10 +224,11 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys and values, written by slot. k, v: (layers, batch, max_len, kv_heads, head_dim)."""
+    """Preallocated keys and values, written by slot. k, v: (layers, batch, kv_heads, max_len, head_dim), head-major:
+    a row's slots for one head are contiguous, so attention reads them without a copy."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         # forward writes through per-layer views: torch.compile updates those in place (a slice of the 5-d
@@ -240,11 +241,11 @@ class KVCache:
         self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
-    def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, length + T, kv_heads, D)
+    def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, kv_heads, length + T, D)
         T, end = k.shape[1], self.length + k.shape[1]
-        self.k_layers[layer].narrow(1, self.length, T).copy_(k)
-        self.v_layers[layer].narrow(1, self.length, T).copy_(v)
-        return self.k_layers[layer][:, :end], self.v_layers[layer][:, :end]
+        self.k_layers[layer].narrow(2, self.length, T).copy_(k.transpose(1, 2))
+        self.v_layers[layer].narrow(2, self.length, T).copy_(v.transpose(1, 2))
+        return self.k_layers[layer][:, :, :end], self.v_layers[layer][:, :, :end]
 
 
 class SharedPromptCache:
@@ -255,12 +256,11 @@ class SharedPromptCache:
     rows (n,): which of the N rows (prompt-major, row = prompt * G + sample) are still decoding."""
 
     def __init__(self, prompt: KVCache, real, G: int, max_len: int):
-        self.k_prompt = prompt.k.transpose(2, 3).contiguous()  # (layers, P, Hkv, L, D)
-        self.v_prompt = prompt.v.transpose(2, 3).contiguous()
+        self.k_prompt, self.v_prompt = prompt.k, prompt.v  # (layers, P, Hkv, L, D)
         P, L = real.shape  # real (P, L) bool: the prompt slots that hold tokens
         self.pad_bias = torch.zeros(P, 1, 1, L, dtype=prompt.k.dtype, device=real.device).masked_fill_(
             ~real[:, None, None], float("-inf"))
-        layers, _, _, Hkv, D = prompt.k.shape
+        layers, _, Hkv, _, D = prompt.k.shape
         self.k = prompt.k.new_zeros(layers, P * G, Hkv, max_len, D)
         self.v = torch.zeros_like(self.k)
         self.G, self.max_len, self.length = G, max_len, 0
@@ -299,6 +299,16 @@ class SharedPromptCache:
         return y.reshape(n, 1, H * D)
 
 
+def decode_attention(q, k, v, mask):
+    """One query step as two batched matmuls (on the CPU ~2x faster than its SDPA kernel at decode shapes; the
+    softmax in fp32, as SDPA's). q (B, Hkv, g, D), k, v (B, Hkv, S, D), mask (B, 1, 1, S) additive or None
+    -> (B, Hkv, g, D)."""
+    w = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))  # (B, Hkv, g, S)
+    if mask is not None:
+        w = w + mask
+    return torch.matmul(w.float().softmax(-1).to(v.dtype), v)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -316,10 +326,13 @@ class Attention(nn.Module):
         if isinstance(cache, SharedPromptCache):  # the sampler's decode step: G rows share each prompt's slots
             return self.o_proj(cache.attend(layer, q, k, v))
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, S, Hkv, D), S = slots filled so far
+            k, v = cache.update(layer, k, v)  # (B, Hkv, S, D), S = slots filled so far
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
         # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
-        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask; faster on CPU)
+        if T == 1 and x.device.type == "cpu":  # decoding on the CPU: its SDPA kernel is ~2x slower here
+            y = decode_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, mask)  # (B, Hkv, G, D)
+        elif T == 1:  # a kv head's G query heads act as G queries of it (one mask)
             y = F.scaled_dot_product_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,

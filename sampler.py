@@ -156,10 +156,10 @@ class _SlotWriter:
     def __init__(self, cache: KVCache, slot):
         self.cache, self.slot = cache, slot
 
-    def update(self, layer, k, v):  # k, v (N, 1, Hkv, D) -> (N, S, Hkv, D) each
+    def update(self, layer, k, v):  # k, v (N, 1, Hkv, D) -> (N, Hkv, S, D) each
         # (under autocast k comes out fp32, RoPE's tables being fp32: index_copy_ casts nothing itself)
-        self.cache.k_layers[layer].index_copy_(1, self.slot, k.to(self.cache.k.dtype))
-        self.cache.v_layers[layer].index_copy_(1, self.slot, v.to(self.cache.v.dtype))
+        self.cache.k_layers[layer].index_copy_(2, self.slot, k.transpose(1, 2).to(self.cache.k.dtype))
+        self.cache.v_layers[layer].index_copy_(2, self.slot, v.transpose(1, 2).to(self.cache.v.dtype))
         return self.cache.k_layers[layer], self.cache.v_layers[layer]
 
 
@@ -244,8 +244,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
         dec = Decoder(cfg, N, S, device, dtype, False, False, False, shared)
     else:  # or to their own copies of them
         dec = decoder(model, N, S, device, dtype, static, compile, cuda_graph)
-        dec.cache.k[:, :, :L].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, L, Hkv, D)
-        dec.cache.v[:, :, :L].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
+        dec.cache.k[..., :L, :].unflatten(1, (P, G)).copy_(prefill.k.unsqueeze(2))  # (layers, P, G, Hkv, L, D)
+        dec.cache.v[..., :L, :].unflatten(1, (P, G)).copy_(prefill.v.unsqueeze(2))
         dec.cache.length = L  # (static: unused)
         dec.keys.zero_()[:, :L] = real.repeat_interleave(G, 0)  # (N, S): the prompts' real slots; decode slots follow
     del prefill

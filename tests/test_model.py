@@ -69,6 +69,29 @@ def test_logits_match_hf_both_directions(case, tmp_path):
     assert ours.config.tie_word_embeddings == (ours.lm_head.weight is ours.embed_tokens.weight)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_cached_decode_matches_hf_full_forward(case, tmp_path):
+    """A prefill into the KV cache, then one token per call (the decode path: its own attention on the CPU) against
+    HF's forward over the whole sequence; row 1 left-padded by 3 slots, masked as the sampler masks them."""
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path)
+    ours, x = load_model(tmp_path), tokens(2, 16)
+    real = torch.ones(2, 19, dtype=torch.bool)
+    real[1, :3] = False
+    slots = torch.cat([torch.zeros(2, 3, dtype=torch.long), x], 1)  # (2, 19): row 0 has 3 real tokens more
+    slots[0, :3] = tokens(1, 3, seed=5)
+    pos = (real.cumsum(1) - 1).clamp(min=0)
+    cache = M.KVCache(ours.config, 2, 19)
+    with torch.no_grad():
+        want = [hf(slots[:1]).logits[0], hf(x[1:]).logits[0]]  # (19, V), (16, V)
+        got = [ours(slots[:, :8], cache=cache, input_pos=pos[:, :8], attn_mask=real[:, :8])]
+        for t in range(8, 19):
+            got.append(ours(slots[:, t : t + 1], cache=cache, input_pos=pos[:, t : t + 1], attn_mask=real[:, : t + 1]))
+        got = torch.cat(got, 1)  # (2, 19, V)
+    assert (got[0] - want[0]).abs().max() <= 1e-4
+    assert (got[1, 3:] - want[1]).abs().max() <= 1e-4
+
+
 def test_padded_rows_and_positions_match_unpadded(tmp_path):
     hf_model("qwen2-gqa-untied-bias").save_pretrained(tmp_path)
     ours, x = load_model(tmp_path), tokens(2, 12)

@@ -330,10 +330,11 @@ class Attention(nn.Module):
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
         # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads
-        if T == 1 and x.device.type == "cpu":  # decoding on the CPU: its SDPA kernel is ~2x slower here
-            y = decode_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, mask)  # (B, Hkv, G, D)
-        elif T == 1:  # a kv head's G query heads act as G queries of it (one mask)
-            y = F.scaled_dot_product_attention(q.view(B, self.n_kv_heads, -1, self.head_dim), k, v, attn_mask=mask)
+        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask)
+            q = q.view(B, self.n_kv_heads, -1, self.head_dim)  # (B, Hkv, G, D)
+            # on the CPU two matmuls: its SDPA kernel is ~2x slower at these shapes (docs/speed.md)
+            y = decode_attention(q, k, v, mask) if x.device.type == "cpu" else \
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=True).transpose(1, 2)  # (B, T, H, D)

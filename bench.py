@@ -19,11 +19,13 @@ MHA, intermediate 640, untied, max_pos 512, the char tokenizer) and train it fp3
 and a random reward in [0, 1) so every row trains. The sides alternate step by step (a TRL step, then one of
 ours, then the floor), so background load hits both alike. Printed: both medians over --steps steps after
 --warmup, their ratio, each side's generate/train split, and the compute floor of our step: a forward+backward
-of the trained tokens packed without padding (rows as wide as the longest) plus one forward of the generated
-tokens, packed the same way. Without TRL installed the TRL side is skipped (one line) and the rest still runs.
---ablate adds grpo.py's step without each of its speed-ups (--pack off; finished rows kept in the decode batch;
-each row its own copy of its prompt's cache slots) and with the compiled static decode step (compile=True; its
-first step compiles, inside the warm-up), each on its own copy of the model, interleaved with the rest.
+of the trained tokens packed without padding (rows as wide as the longest sequence; with --share_prompt a
+group's prompt counts once) plus one forward of the generated tokens, packed the same way. Without TRL
+installed the TRL side is skipped (one line) and the rest still runs.
+--ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
+in the decode batch; each row its own copy of its prompt's cache slots) and with the compiled static decode
+step (compile=True; its first step compiles, inside the warm-up), each on its own copy of the model,
+interleaved with the rest.
 """
 
 import argparse
@@ -181,15 +183,20 @@ class OurSide:
         t2 = time.perf_counter()
         self.times.append((t1 - t0, t2 - t1))
         self.lens.append(sum(lengths) / len(lengths))
-        return seq_len, lengths
+        # the tokens training must run: each sequence whole, or with --share_prompt (and --pack) each group's
+        # prompt once (but its last token, which each row keeps) and each row's own
+        trained = seq_len
+        if cfg.pack and cfg.share_prompt:
+            trained = [len(p) - 1 for p in mine] + [n + 1 for n in lengths]
+        return trained, max(seq_len), lengths
 
-    def floor(self, seq_len: list[int], gen_len: list[int]):
+    def floor(self, trained: list[int], width: int, gen_len: list[int]):
         """Seconds of the step's unavoidable compute: forward+backward of the trained tokens (training's loss path,
         log-probs and all) and one forward of the generated ones, each packed into rows as wide as its longest
         sequence (the last row padded: under one row's worth of extra tokens)."""
         V = self.model.config.vocab_size
-        packed = lambda lens: torch.randint(3, V, (math.ceil(sum(lens) / max(lens)), max(lens)))
-        x, y = packed(seq_len), packed(gen_len)
+        packed = lambda n, w: torch.randint(3, V, (math.ceil(n / w), w))
+        x, y = packed(sum(trained), width), packed(sum(gen_len), max(gen_len))
         self.model.train()
         t0 = time.perf_counter()
         logp, _ = self.model(x, targets=x)
@@ -254,6 +261,8 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         # (cfg, sampler.DROP_EVERY, the CPU's decode modes)
         plain = dict(sampler.DEFAULTS["cpu"])
         variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain),
+                    "without --share_prompt": (dataclasses.replace(cfg, share_prompt=False), sampler.DROP_EVERY,
+                                               plain),
                     "without dropping finished rows": (cfg, math.inf, plain),
                     "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False}),
                     "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True})}
@@ -261,8 +270,7 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 
         def our_step(step):
-            seq_len, gen_len = ours.step(step)
-            ours.floor(seq_len, gen_len)
+            ours.floor(*ours.step(step))
             for name, side in others.items():
                 defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"]
                 sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = variants[name][1:]
@@ -332,7 +340,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="--vs_trl: measured steps per side")
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
     p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
-                   "speed-ups (--pack; dropping finished rows; shared prompt slots) and with compile=True, "
+                   "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots) and with "
+                   "compile=True, "
                    "interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:

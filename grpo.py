@@ -152,6 +152,9 @@ class GRPOConfig:
                                    "row; rows grouped by length; 0 = off)")
     pack: bool = flag(True, "pack a micro-batch's sequences into rows as wide as its longest, "
                       "attention kept within each: no compute on padding")
+    share_prompt: bool = flag(True, "with --pack: a group's rows hold their prompt once, each "
+                              "completion attending to it (the prompt's forward and backward "
+                              "done once, not G times)")
     activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
                                           "activations of one block, not all (+1 forward)")
     dry_run: bool = flag(False, "print the memory estimate per rank and exit")
@@ -358,7 +361,8 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
 
     prompts: N token lists; comp: (N, Tc) sampled tokens; n_comp: valid completion length per row
     (EOS included). Returns inputs (N, L), targets (N, L), pos (N, Tc): the column of inputs whose
-    next-token prediction is completion token t (position len(prompt) - 1 + t, clamped for padding).
+    next-token prediction is completion token t (position len(prompt) - 1 + t, clamped for padding);
+    and prompt_of (host list, N): (the first row with row i's prompt, that prompt's length).
     """
     # host lists: one device -> host copy
     rows = [p + c[:n] for p, c, n in zip(prompts, comp.tolist(), n_comp)]
@@ -369,45 +373,95 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
     device = comp.device
     t = torch.arange(comp.shape[1], device=device)
     pos = torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None] + t[None, :]  # (N, Tc)
-    return torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1)
+    first = {}
+    prompt_of = [(first.setdefault(tuple(p), i), len(p)) for i, p in enumerate(prompts)]
+    return (torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1),
+            prompt_of)
 
 
-def micro_batch(inputs, targets, pos, rows: list[int], seq_len: list[int], pack: bool) -> dict:
-    """The forward's input for training rows `rows` of training_batch's (inputs, targets, pos):
+SHARE_WIDTH = 4  # --share_prompt: packed rows up to this many times the longest sequence (docs/speed.md)
+
+
+def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[int], pack: bool,
+                share: bool = False) -> dict:
+    """The forward's input for training rows `rows` of training_batch's (inputs, targets, pos, prompt_of):
     seq_len[i] is row i's real length. Cut to W columns, the longest of these rows. pack: the rows'
     sequences packed into as few rows of W tokens as fit (common.pack_rows), each attending only to
-    itself (segments), its RoPE positions restarting at 0. -> model.forward's keyword arguments:
-    tokens (R, W), targets (R, W), target_pos (n, Tc) flat indices of the completion tokens'
-    predictions (padding clamped to the sequence's last), and input_pos, segments (R, W) if packed."""
+    itself (segments), its RoPE positions restarting at 0. share (with pack): the rows of one prompt
+    hold it once: its tokens but the last as a segment of their own, then each row's last prompt
+    token and completion attending to it and to itself (prefix), in rows up to SHARE_WIDTH x W wide,
+    where that packs fewer tokens. -> model.forward's keyword arguments: tokens (R, W'), targets
+    (R, W'), target_pos (n, Tc) flat indices of the completion tokens' predictions (padding clamped
+    to the sequence's last), and input_pos, segments (and prefix) (R, W') if packed."""
     device, n = inputs.device, len(rows)
     W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
     ix = torch.tensor(rows, device=device)
+    # units: what goes into a row whole: [(j, 0)], one sequence, or [(j0, s), (j1, s), ...]: a
+    # prompt's s = len(prompt) - 1 tokens once, then each member's columns s.. (host ints)
+    units = [[(j, 0)] for j in range(n)]
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
-    if len(bins) in (0, n):  # one sequence a row: padded rows, plain causal attention
+    if pack and share:
+        groups = {}  # first row of the prompt -> its rows here, longest first
+        for j in sorted(range(n), key=lambda j: -seq_len[rows[j]]):
+            groups.setdefault(prompt_of[rows[j]][0], []).append(j)
+        shared, cap = [], SHARE_WIDTH * W
+        for members in groups.values():
+            s, used = prompt_of[rows[members[0]]][1] - 1, cap  # the prompt's tokens but its last
+            for j in members:
+                own = seq_len[rows[j]] - s
+                if used + own > cap:  # a new unit (a unit is at least one whole sequence)
+                    shared.append([])
+                    used = s
+                shared[-1].append((j, s))
+                used += own
+        shared = [u if len(u) > 1 else [(u[0][0], 0)] for u in shared]  # alone: a plain sequence
+        size = [sum(seq_len[rows[j]] - s for j, s in u) + u[0][1] for u in shared]
+        shared_bins = pack_rows(size, max(size))
+        # within the micro-batch's budget (rows x its longest) and fewer tokens than without: then shared
+        if len(shared_bins) * max(size) < len(bins) * W:
+            units, bins = shared, shared_bins
+    Wr = max(sum(seq_len[rows[j]] - s for j, s in u) + u[0][1] for u in units)  # the rows' width
+    if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
         return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
-    # host: for each packed slot, its source (row, column) in inputs, its segment and position
-    src, seg, at, start = [], [], [], [0] * n
+    # host: for each packed slot, its source (row, column) in inputs, its segment, prefix and position
+    src, seg, pre, at, start = [], [], [], [], [0] * n
+    L = inputs.shape[1]
     for r, members in enumerate(bins):
         c = 0
-        for j in members:
-            start[j] = r * W + c
-            src += [rows[j] * inputs.shape[1] + k for k in range(seq_len[rows[j]])]
-            seg += [j] * seq_len[rows[j]]
-            at += range(seq_len[rows[j]])
-            c += seq_len[rows[j]]
-        src += [-1] * (W - c)  # padding: pad tokens, one segment of their own
-        seg += [-1] * (W - c)
-        at += [0] * (W - c)
+        for u in (units[m] for m in members):
+            j0, s = u[0]
+            shared = len(seg)  # (a segment's id: its first slot's index)
+            if s:  # the shared prompt: row j0's first s columns, a segment of its own
+                src += [rows[j0] * L + k for k in range(s)]
+                seg += [shared] * s
+                pre += [shared] * s
+                at += range(s)
+                c += s
+            for j, _ in u:
+                own = seq_len[rows[j]] - s
+                start[j] = r * Wr + c - s  # the flat index its column 0 would have
+                src += [rows[j] * L + k for k in range(s, s + own)]
+                pre += [shared if s else len(seg)] * own
+                seg += [len(seg)] * own
+                at += range(s, s + own)
+                c += own
+        src += [-1] * (Wr - c)  # padding: pad tokens, one segment of their own
+        seg += [-1] * (Wr - c)
+        pre += [-1] * (Wr - c)
+        at += [0] * (Wr - c)
     src = torch.tensor(src, device=device)
     real = src >= 0
     tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
     tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
     last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
     flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
-    return {"tokens": tokens.view(-1, W), "targets": tgt.view(-1, W), "target_pos": flat,
-            "input_pos": torch.tensor(at, device=device).view(-1, W),
-            "segments": torch.tensor(seg, device=device).view(-1, W)}
+    out = {"tokens": tokens.view(-1, Wr), "targets": tgt.view(-1, Wr), "target_pos": flat,
+           "input_pos": torch.tensor(at, device=device).view(-1, Wr),
+           "segments": torch.tensor(seg, device=device).view(-1, Wr)}
+    if any(s for u in units for _, s in u):
+        out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
+    return out
 
 
 def completion_logprobs(model, mb: dict, temperature, dtype: str = "float32"):
@@ -428,7 +482,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
            step: int) -> dict:
     """cfg.mu policy updates on one rollout: micro-batched forward/backward of sum(w * policy_loss)
     (+ beta * sum(w_kl * k3_kl)), grad clip, optimizer step. batch: training_batch's (inputs,
-    targets, pos); seq_len: each row's real length in it (host); adv (N, 1), lmask / w /
+    targets, pos, prompt_of); seq_len: each row's real length in it (host); adv (N, 1), lmask / w /
     sampler_logp (N, Tc), w_kl (N, Tc) or None (beta = 0), all on the model's device.
 
     Rows that add no gradient (no KL weight, and no policy weight or advantage 0) are skipped, but
@@ -449,7 +503,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     # each micro-batch's row indices on the device, and its columns cut to its longest row
     # (short rows cost less)
     ix = [torch.tensor(idx or [0], device=device) for idx in micro]
-    sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack) for idx in micro]
+    sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack, cfg.share_prompt) for idx in micro]
     old, ref_logp = [None] * n_micro, [None] * n_micro
     # old log-probs before the first update; reference log-probs for KL
     if cfg.mu > 1 or ref is not None:

@@ -507,14 +507,16 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
-                last_only=False, target_pos=None, segments=None):
+                last_only=False, target_pos=None, segments=None, prefix=None):
         """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
         number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
         positions, or over cache slots when a cache is passed; combined with causal attention.
         targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks;
         with target_pos (any shape) long, flat indices into the B * T positions, only at those -> target_pos's
         shape each (the lm_head runs on them alone). segments (B, T) long, no cache: several sequences packed in
-        a row, each position attending causally within its own segment (give input_pos restarting at 0 for each).
+        a row, each position attending causally within its own segment (give input_pos restarting at 0 for each);
+        prefix (B, T) long, with segments: the segment each position also attends to, a prompt that several packed
+        sequences share (placed before them; its own segment where none).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -527,9 +529,12 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
         mask = None  # plain causal attention (or none at all for a single query)
-        if segments is not None:  # packed sequences: causal within each segment
+        if segments is not None:  # packed sequences: causal within each segment (and its shared prompt)
             causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            keep = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, T, T)
+            keep = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+            if prefix is not None:
+                keep |= prefix[:, :, None] == segments[:, None, :]
+            keep &= causal
             mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)[:, None]  # (B, 1, T, T)
         elif attn_mask is not None or (start > 0 and T > 1):
             q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)

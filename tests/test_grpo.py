@@ -139,7 +139,8 @@ def test_training_batch_positions():
     """The log-prob of completion token t is read at position len(prompt) - 1 + t of the right-padded row."""
     prompts = [[5, 6, 7], [8]]
     comp = torch.tensor([[1, 2, 0], [3, 4, 9]])
-    inputs, targets, pos = grpo.training_batch(prompts, comp, [2, 3], pad_id=0)
+    inputs, targets, pos, prompt_of = grpo.training_batch(prompts, comp, [2, 3], pad_id=0)
+    assert prompt_of == [(0, 3), (1, 1)]
     assert inputs.tolist() == [[5, 6, 7, 1], [8, 3, 4, 0]]
     assert targets.tolist() == [[6, 7, 1, 2], [3, 4, 9, -1]]  # -1: padding, never read
     assert pos.tolist() == [[2, 3, 3], [0, 1, 2]]  # row 0's third slot is past its EOS (masked), clamped
@@ -221,7 +222,7 @@ def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
     before, after_one = copy.deepcopy(model), copy.deepcopy(model)
     run(after_one, 1)
     stats = run(model, 2)
-    inputs, targets, pos = batch
+    inputs, targets, pos, _ = batch
     with torch.no_grad():
         logp = lambda m: m(inputs).log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0].gather(1, pos)
         old, new = logp(before), logp(after_one)

@@ -188,33 +188,46 @@ class _RecordingOptimizer:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path, grouped):
     """grpo.update over token-budget micro-batches (rows of mixed prompt and completion lengths) gives the gradient
     of one unsplit batch: with one update the surrogate's gradient is -A * grad log p per counted token, written
-    out here from full log-softmax logits."""
+    out here from full log-softmax logits. grouped: rows of one prompt, as GRPO's groups, which --share_prompt
+    packs holding their prompt once (3 prompts of 3, 3 and 2 rows, one prompt a single token)."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 61, (n,), generator=gen).tolist() for n in (4, 11, 6, 3, 9, 5)]
     n_comp = [7, 2, 12, 5, 1, 2]
-    Tc = max(n_comp)
-    comp = torch.randint(3, 61, (6, Tc), generator=gen)
-    mask = torch.arange(Tc)[None, :] < torch.tensor(n_comp)[:, None]  # (6, Tc)
-    adv = torch.tensor([[0.5], [-1.0], [0.25], [0.0], [1.5], [-0.75]])  # row 3: advantage 0, skipped
+    adv = [0.5, -1.0, 0.25, 0.0, 1.5, -0.75]  # row 3: advantage 0, skipped
+    if grouped:
+        prompts = [prompts[0]] * 3 + [prompts[1]] * 3 + [[7]] * 2
+        n_comp, adv = [7, 2, 12, 5, 1, 9, 3, 4], [0.5, -1.0, 0.25, 1.0, 0.0, 1.5, -0.75, 2.0]
+    N, Tc = len(prompts), max(n_comp)
+    comp = torch.randint(3, 61, (N, Tc), generator=gen)
+    mask = torch.arange(Tc)[None, :] < torch.tensor(n_comp)[:, None]  # (N, Tc)
+    adv = torch.tensor(adv)[:, None]
     w = mask.float() / mask.sum()  # dapo-like token weights
     batch = grpo.training_batch(prompts, comp, n_comp, pad_id=0)
-    seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]  # 10, 12, 17, 7, 9, 6
-    # the 5 rows that train (not row 3) packed into 4 rows of 17 tokens: [17], [12], [10, 6], [9]
-    assert grpo.micro_batch(*batch, [0, 1, 2, 4, 5], seq_len, True)["tokens"].shape == (4, 17)
+    seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]
+    trained = [i for i in range(N) if adv[i] != 0]
+    if not grouped:  # seq_len 10, 12, 17, 7, 9, 6: the 5 rows that train packed into 4 rows of 17 tokens:
+        # [17], [12], [10, 6], [9]
+        assert grpo.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
+    else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared: [3 + 7 + 2 + 12 = 24], [10 + 5 + 9 = 24], [3, 4]
+        mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)
+        assert mb["tokens"].shape == (3, 24) and "prefix" in mb
     grads = []
-    # one batch, padded or packed (--pack: sequences share rows); token budgets (and a row cap) splitting it
-    for rows, tokens, pack in [(0, 0, False), (0, 0, True), (0, 25, True), (2, 18, True), (3, 40, True)]:
-        cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, pack=pack, grad_clip=1e9,
-                              out_dir=str(tmp_path))
+    # one batch, padded or packed (--pack: sequences share rows; --share_prompt: a group's rows their prompt);
+    # token budgets (and a row cap) splitting it
+    for rows, tokens, pack, share in [(0, 0, False, False), (0, 0, True, False), (0, 0, True, True),
+                                      (0, 25, True, True), (2, 18, True, True), (3, 40, True, True)]:
+        cfg = grpo.GRPOConfig(train_micro_batch=rows, micro_batch_tokens=tokens, pack=pack, share_prompt=share,
+                              grad_clip=1e9, out_dir=str(tmp_path))
         model = _model()
         opt = _RecordingOptimizer(model)
-        grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(6, Tc), cfg, 1)
+        grpo.update(model, None, opt, batch, seq_len, adv, mask.float(), w, None, torch.zeros(N, Tc), cfg, 1)
         grads.append(opt.grads)
     model = _model()
-    inputs, targets, pos = batch
+    inputs, targets, pos, _ = batch
     logp = model(inputs).log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0].gather(1, pos)
     (-(w * adv * logp).sum()).backward()
     for got in grads:

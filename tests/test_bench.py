@@ -15,12 +15,17 @@ def toy_config(tmp_path):
 
 def test_our_side_trains_and_times_its_floor(tiny_dir, tmp_path):
     tok = load_tokenizer(tiny_dir)
-    ours = bench.OurSide(tiny_dir, [tok.encode("What is 1+2?\n<think>"), tok.encode("3*4?\n")], toy_config(tmp_path))
+    prompts = [tok.encode("What is 1+2?\n<think>"), tok.encode("3*4?\n")]
+    ours = bench.OurSide(tiny_dir, prompts, toy_config(tmp_path))
     before = [p.detach().clone() for p in ours.model.parameters()]
-    seq_len, gen_len = ours.step(1)
-    assert len(seq_len) == len(gen_len) == 6 and all(1 <= n <= 6 for n in gen_len)
+    trained, width, gen_len = ours.step(1)
+    assert len(gen_len) == 6 and all(1 <= n <= 6 for n in gen_len)
+    # --share_prompt (the default): each prompt's tokens but its last once, then each row's last prompt token and
+    # completion; rows as wide as the longest whole sequence
+    assert trained == [len(p) - 1 for p in prompts] + [n + 1 for n in gen_len]
+    assert width == max(len(prompts[i // 3]) - 1 + n for i, n in enumerate(gen_len))
     assert all(not torch.equal(a, b) for a, b in zip(before, ours.model.parameters()))  # every weight was trained
-    ours.floor(seq_len, gen_len)
+    ours.floor(trained, width, gen_len)
     assert len(ours.times) == len(ours.floors) == 1 and min(ours.times[0] + ours.floors[0]) > 0
     assert all(p.grad is None for p in ours.model.parameters())  # the floor leaves no gradient behind
 

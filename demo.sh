@@ -23,8 +23,8 @@ OUT=${OUT:-runs}     # everything goes under this folder
 MIN_START=${MIN_START:-0.10}
 # docs/demo.md's demo tables (greedy pass@1 on test[:400]: mean, min, max): the SFT start over seeds and floating-point
 # paths; SFT + GRPO, the whole demo from a fresh clone. tests/test_demo.py checks them against it.
-REF_SFT="0.225 0.155 0.290"
-REF_GRPO="0.742 0.5475 0.935"
+REF_SFT="0.227 0.1325 0.3025"
+REF_GRPO="0.737 0.5475 0.935"
 read -r -a SFT <<<"${SFT_FLAGS:-}"
 read -r -a GRPO <<<"${GRPO_FLAGS:-}"
 read -r -a EVAL <<<"${EVAL_FLAGS:-}"

@@ -399,28 +399,29 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     # units: what goes into a row whole: [(j, 0)], one sequence, or [(j0, s), (j1, s), ...]: a
     # prompt's s = len(prompt) - 1 tokens once, then each member's columns s.. (host ints)
     units = [[(j, 0)] for j in range(n)]
+    width = lambda u: u[0][1] + sum(seq_len[rows[j]] - s for j, s in u)  # a unit's tokens
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
     if pack and share:
         groups = {}  # first row of the prompt -> its rows here, longest first
         for j in sorted(range(n), key=lambda j: -seq_len[rows[j]]):
             groups.setdefault(prompt_of[rows[j]][0], []).append(j)
-        shared, cap = [], SHARE_WIDTH * W
+        cand, cap = [], SHARE_WIDTH * W
         for members in groups.values():
             s, used = prompt_of[rows[members[0]]][1] - 1, cap  # the prompt's tokens but its last
             for j in members:
                 own = seq_len[rows[j]] - s
                 if used + own > cap:  # a new unit (a unit is at least one whole sequence)
-                    shared.append([])
+                    cand.append([])
                     used = s
-                shared[-1].append((j, s))
+                cand[-1].append((j, s))
                 used += own
-        shared = [u if len(u) > 1 else [(u[0][0], 0)] for u in shared]  # alone: a plain sequence
-        size = [sum(seq_len[rows[j]] - s for j, s in u) + u[0][1] for u in shared]
-        shared_bins = pack_rows(size, max(size))
+        cand = [u if len(u) > 1 else [(u[0][0], 0)] for u in cand]  # alone: a plain sequence
+        size = [width(u) for u in cand]
+        cand_bins = pack_rows(size, max(size))
         # within the micro-batch's budget (rows x its longest) and fewer tokens than without: then shared
-        if len(shared_bins) * max(size) < len(bins) * W:
-            units, bins = shared, shared_bins
-    Wr = max(sum(seq_len[rows[j]] - s for j, s in u) + u[0][1] for u in units)  # the rows' width
+        if len(cand_bins) * max(size) < len(bins) * W:
+            units, bins = cand, cand_bins
+    Wr = max(map(width, units))  # the rows' width
     if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
         return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
@@ -431,18 +432,18 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
         c = 0
         for u in (units[m] for m in members):
             j0, s = u[0]
-            shared = len(seg)  # (a segment's id: its first slot's index)
+            prompt_seg = len(seg)  # (a segment's id: its first slot's index)
             if s:  # the shared prompt: row j0's first s columns, a segment of its own
                 src += [rows[j0] * L + k for k in range(s)]
-                seg += [shared] * s
-                pre += [shared] * s
+                seg += [prompt_seg] * s
+                pre += [prompt_seg] * s
                 at += range(s)
                 c += s
             for j, _ in u:
                 own = seq_len[rows[j]] - s
                 start[j] = r * Wr + c - s  # the flat index its column 0 would have
                 src += [rows[j] * L + k for k in range(s, s + own)]
-                pre += [shared if s else len(seg)] * own
+                pre += [prompt_seg if s else len(seg)] * own
                 seg += [len(seg)] * own
                 at += range(s, s + own)
                 c += own

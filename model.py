@@ -16,6 +16,7 @@ Llama `attention_bias`/`mlp_bias` options): such configs are rejected with an er
 import json
 import math
 import os
+import platform
 import string
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -309,14 +310,64 @@ def decode_attention(q, k, v, mask):
     return torch.matmul(w.float().softmax(-1).to(v.dtype), v)
 
 
+# fp32 projections on an x86 CPU go through oneDNN (torch's own CPU kernels library): torch sends an fp32 F.linear
+# to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430 GFLOP/s at
+# (3500, 256) x (256, 768); docs/speed.md). Same values to fp32 rounding. MINIGRPO_ONEDNN=0 turns it off.
+ONEDNN = (os.environ.get("MINIGRPO_ONEDNN", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
+          and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+ONEDNN_MIN_ROWS = 4  # fewer rows (the last few rows of a decode): aten's kernel is the faster one
+
+
+def _onednn(x, w, b=None):  # x (..., in), w (out, in), b (out,) or None -> (..., out)
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x w^T + b with oneDNN forward and input gradient; the weight gradient a plain matmul (oneDNN is no
+    faster at its long reduction)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.bias = b is not None
+        return _onednn(x, w, b)
+
+    @staticmethod
+    def backward(ctx, gy):  # gy (..., out)
+        x, w = ctx.saved_tensors
+        gx = _onednn(gy, w.t()) if ctx.needs_input_grad[0] else None  # (..., in)
+        g2 = gy.reshape(-1, gy.shape[-1])  # (rows, out)
+        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None  # (out, in)
+        gb = g2.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x, w, b=None):
+    """F.linear, through oneDNN for fp32 on an x86 CPU (see ONEDNN): x (..., in), w (out, in) -> (..., out)."""
+    if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
+            or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1] or isinstance(w, DTensor)
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs
+        return F.linear(x, w, b)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        return _OneDNNLinear.apply(x, w, b)
+    return _onednn(x, w, b)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and names) whose forward is linear() above."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         B, T, _ = x.shape
@@ -344,9 +395,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -367,8 +418,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.weight, self.bias = base.weight, base.bias  # the same tensors, under the same names
         device, n_in = base.weight.device, base.in_features
-        self.lora_A = nn.Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+        self.lora_A = Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():
             a = (torch.rand(rank, n_in, generator=generator) * 2 - 1) / math.sqrt(n_in)  # on the CPU: any device
             self.lora_A.weight.copy_(a)
@@ -378,7 +429,7 @@ class LoRALinear(nn.Module):
         self.enabled = True  # False: the base projection alone (the KL reference, see adapters_off)
 
     def forward(self, x):  # x (B, T, in) -> (B, T, out)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
         a = self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype))  # (B, T, r)
@@ -428,7 +479,7 @@ def merge_lora(model: "Transformer") -> "Transformer":
     (in place; not under FSDP2). Returns the model."""
     for name, m in lora_layers(model).items():
         parent, child = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        plain = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
+        plain = Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
         with torch.no_grad():
             plain.weight = nn.Parameter((m.weight.float() + m.delta()).to(m.weight.dtype), requires_grad=False)
         plain.bias = m.bias
@@ -495,7 +546,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         for name, p in self.named_parameters():  # HF's init: N(0, 0.02) matrices, zero biases, unit norms
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)

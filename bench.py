@@ -24,8 +24,8 @@ group's prompt counts once) plus one forward of the generated tokens, packed the
 installed the TRL side is skipped (one line) and the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots) and with the compiled static decode
-step (compile=True; its first step compiles, inside the warm-up), each on its own copy of the model,
-interleaved with the rest.
+step (compile=True; its first step compiles, inside the warm-up), and with every fp32 projection on aten's
+kernel instead of oneDNN (model.ONEDNN off), each on its own copy of the model, interleaved with the rest.
 """
 
 import argparse
@@ -41,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import grpo
+import model
 import sampler
 from data import format_prompt, load_task
 from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
@@ -266,18 +267,21 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
                     "without dropping finished rows": (cfg, math.inf, plain),
                     "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False}),
                     "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True})}
+        if model.ONEDNN:  # the same step with every fp32 projection on aten's kernel (MKL's sgemm)
+            variants["without oneDNN projections"] = (cfg, sampler.DROP_EVERY, plain)
         variants = variants if ablate else {}
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 
         def our_step(step):
             ours.floor(*ours.step(step))
             for name, side in others.items():
-                defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"]
+                defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN
                 sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = variants[name][1:]
+                model.ONEDNN = defaults[2] and name != "without oneDNN projections"
                 try:
                     side.step(step)
                 finally:
-                    sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = defaults
+                    sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN = defaults
 
         try:
             import trl  # noqa: F401

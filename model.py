@@ -315,7 +315,9 @@ def decode_attention(q, k, v, mask):
 # (3500, 256) x (256, 768); docs/speed.md). Same values to fp32 rounding. MINIGRPO_ONEDNN=0 turns it off.
 ONEDNN = (os.environ.get("MINIGRPO_ONEDNN", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
           and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-ONEDNN_MIN_ROWS = 4  # fewer rows (the last few rows of a decode): aten's kernel is the faster one
+# below this many multiply-adds (rows x in x out) aten's kernel is the faster one: oneDNN's per-call cost is
+# ~15 us (the demo's 96-wide decode stays on aten; its training rows and a 256-wide model's decode do not)
+ONEDNN_MIN_MACS = 2**21
 
 
 def _onednn(x, w, b=None):  # x (..., in), w (out, in), b (out,) or None -> (..., out)
@@ -345,7 +347,7 @@ class _OneDNNLinear(torch.autograd.Function):
 def linear(x, w, b=None):
     """F.linear, through oneDNN for fp32 on an x86 CPU (see ONEDNN): x (..., in), w (out, in) -> (..., out)."""
     if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
-            or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1] or isinstance(w, DTensor)
+            or x.numel() * w.shape[0] < ONEDNN_MIN_MACS or isinstance(w, DTensor)
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):

@@ -344,9 +344,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="--vs_trl: measured steps per side")
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
     p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
-                   "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots) and with "
-                   "compile=True, "
-                   "interleaved with the rest")
+                   "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots; oneDNN "
+                   "projections) and with compile=True, interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:
         return vs_trl(args.steps, args.warmup, args.threads or 2, ablate=args.ablate)

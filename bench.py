@@ -259,16 +259,17 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         text = [format_prompt(rows[i]["question"], "short")[0] for i in order]
         ours = OurSide(model_dir, [tok.encode(t) for t in text], cfg)
         # --ablate: grpo.py's step again without one of its speed-ups each, on its own copy of the model
-        # (cfg, sampler.DROP_EVERY, the CPU's decode modes)
-        plain = dict(sampler.DEFAULTS["cpu"])
-        variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain),
+        # (cfg, sampler.DROP_EVERY, the CPU's decode modes, model.ONEDNN)
+        plain, on = dict(sampler.DEFAULTS["cpu"]), model.ONEDNN
+        variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain, on),
                     "without --share_prompt": (dataclasses.replace(cfg, share_prompt=False), sampler.DROP_EVERY,
-                                               plain),
-                    "without dropping finished rows": (cfg, math.inf, plain),
-                    "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False}),
-                    "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True})}
+                                               plain, on),
+                    "without dropping finished rows": (cfg, math.inf, plain, on),
+                    "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False},
+                                                        on),
+                    "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True}, on)}
         if model.ONEDNN:  # the same step with every fp32 projection on aten's kernel (MKL's sgemm)
-            variants["without oneDNN projections"] = (cfg, sampler.DROP_EVERY, plain)
+            variants["without oneDNN projections"] = (cfg, sampler.DROP_EVERY, plain, False)
         variants = variants if ablate else {}
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 
@@ -276,8 +277,7 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
             ours.floor(*ours.step(step))
             for name, side in others.items():
                 defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN
-                sampler.DROP_EVERY, sampler.DEFAULTS["cpu"] = variants[name][1:]
-                model.ONEDNN = defaults[2] and name != "without oneDNN projections"
+                sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN = variants[name][1:]
                 try:
                     side.step(step)
                 finally:

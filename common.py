@@ -84,12 +84,21 @@ def _explain_collective_timeouts(rank: int, timeout_s: float):
 
     def hook(kind, err, tb):
         previous(kind, err, tb)  # torch's hook: the traceback, each line prefixed "[rankN]:"
-        frames = traceback.extract_tb(tb)
-        c10d = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
-        in_backward = any(f.name == "backward" for f in frames)
-        if "timed out" not in str(err).lower() or not (c10d or in_backward):
+        frames, msg = traceback.extract_tb(tb), str(err)
+        dist = [f for f in frames if f.filename.startswith(torch_dir)
+                and any(k in f.filename[len(torch_dir):] for k in ("distributed", "parallel"))]  # fmt: skip
+        timeout = "timed out" in msg.lower() and (dist or "operation to complete" in msg)
+        if not timeout:  # gloo says "Timed out waiting Nms for send/recv operation to complete", wherever it is
             return
-        what = c10d[0] if c10d else "the gradient all-reduce / reduce-scatter of backward()"  # [0]: the one called
+        c10d = [f.name for f in dist if f.filename.endswith("distributed_c10d.py")]
+        if c10d:  # the collective our code called
+            what = c10d[0]
+        elif any(f.name == "backward" for f in frames):
+            what = "the gradient all-reduce / reduce-scatter of backward()"
+        elif dist:  # inside DDP / FSDP itself, e.g. DDP's first-steps bucket rebuild in forward()
+            what = f"a collective in {os.path.basename(dist[-1].filename)}:{dist[-1].name}"
+        else:
+            what = "a collective"
         ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames
                 if not f.filename.startswith(torch_dir)][-2:]  # fmt: skip
         print(f"[rank{rank}]: {what} (at {' <- '.join(reversed(ours))}) did not complete within --dist_timeout="

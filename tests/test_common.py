@@ -1,7 +1,9 @@
 """common.py: config flags, LR schedule, generators, JSONL logging, single-process reductions."""
 
 import json
+import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +193,43 @@ def test_pack_rows_places_every_sequence_once_within_the_width(lengths):
     assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
     # first-fit decreasing is within 11/9 OPT + 1 rows; OPT >= the tokens over the width
     assert len(rows) <= 11 / 9 * -(-sum(lengths) // 8) + 1
+
+
+def _raise_from(filename: str, func: str, msg: str):
+    """Raise RuntimeError(msg) from a frame that says it is `func` in `filename` (as a traceback shows it)."""
+    scope = {}
+    exec(compile(f"def {func}(m):\n    raise RuntimeError(m)\n", filename, "exec"), scope)  # our own source text
+    try:
+        scope[func](msg)
+    except RuntimeError as e:
+        return e
+
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+                "Timed out waiting 4000ms for send operation to complete")  # as CI's log had it
+
+
+@pytest.mark.parametrize("where, func, msg, named", [
+    ("nn/parallel/distributed.py", "_pre_forward", GLOO_TIMEOUT, "in distributed.py:_pre_forward (at"),  # DDP
+    ("distributed/distributed_c10d.py", "all_reduce", GLOO_TIMEOUT, "[rank1]: all_reduce (at"),
+    ("_tensor.py", "backward", GLOO_TIMEOUT, "reduce-scatter of backward() (at"),
+    (None, "step", GLOO_TIMEOUT, "[rank1]: a collective (at"),  # raised from C++ straight into our code
+    ("nn/parallel/distributed.py", "_pre_forward", "shape mismatch", None),  # not a timeout
+    (None, "acquire", "lock timed out after 5 s", None),  # a timeout that is not torch.distributed's
+])  # fmt: skip
+def test_collective_timeout_hint(where, func, msg, named, monkeypatch, capsys):
+    """init_dist's excepthook adds its hint to every gloo timeout, wherever in torch it was raised (CI once saw one in
+    DDP's forward), and to nothing else."""
+    monkeypatch.setattr(sys, "excepthook", lambda *a: print("TRACEBACK", file=sys.stderr))
+    common._explain_collective_timeouts(1, 4)
+    filename = str(Path(torch.__file__).parent / where) if where else __file__
+    err = _raise_from(filename, func, msg)
+    sys.excepthook(type(err), err, err.__traceback__)
+    printed = capsys.readouterr().err
+    assert printed.startswith("TRACEBACK")  # torch's own hook still runs first
+    hint = "did not complete within --dist_timeout=4s"
+    if named is None:
+        assert hint not in printed
+    else:
+        assert named in printed, printed
+        assert hint in printed and "test_common.py" in printed  # and where in our code

@@ -25,7 +25,8 @@ installed the TRL side is skipped (one line) and the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots) and with the compiled static decode
 step (compile=True; its first step compiles, inside the warm-up), and with every fp32 projection on aten's
-kernel instead of oneDNN (model.ONEDNN off), each on its own copy of the model, interleaved with the rest.
+kernel instead of oneDNN (model.ONEDNN off; where the CPU stops at AVX2, the other way round), each on its own
+copy of the model, interleaved with the rest.
 """
 
 import argparse
@@ -268,8 +269,9 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
                     "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False},
                                                         on),
                     "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True}, on)}
-        if model.ONEDNN:  # the same step with every fp32 projection on aten's kernel (MKL's sgemm)
-            variants["without oneDNN projections"] = (cfg, sampler.DROP_EVERY, plain, False)
+        if model.ONEDNN_AVAILABLE:  # the same step with the other kernel for every large fp32 projection
+            other = "without oneDNN projections" if on else "with oneDNN projections (MINIGRPO_ONEDNN=1)"
+            variants[other] = (cfg, sampler.DROP_EVERY, plain, not on)
         variants = variants if ablate else {}
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 

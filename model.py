@@ -310,11 +310,16 @@ def decode_attention(q, k, v, mask):
     return torch.matmul(w.float().softmax(-1).to(v.dtype), v)
 
 
-# fp32 projections on an x86 CPU go through oneDNN (torch's own CPU kernels library): torch sends an fp32 F.linear
-# to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430 GFLOP/s at
-# (3500, 256) x (256, 768); docs/speed.md). Same values to fp32 rounding. MINIGRPO_ONEDNN=0 turns it off.
-ONEDNN = (os.environ.get("MINIGRPO_ONEDNN", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
-          and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# fp32 projections on an x86 CPU with AVX-512 go through oneDNN (torch's own CPU kernels library): torch sends an
+# fp32 F.linear to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430
+# GFLOP/s at (3500, 256) x (256, 768); docs/speed.md). Where the CPU (or ATEN_CPU_CAPABILITY) stops at AVX2 the two
+# run alike and oneDNN's per-call cost makes a GRPO step ~4% slower, so aten keeps them. Same values to fp32
+# rounding. MINIGRPO_ONEDNN=0 turns it off, =1 on whatever the CPU.
+_ONEDNN_ENV = os.environ.get("MINIGRPO_ONEDNN", "")
+ONEDNN_AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+ONEDNN = ONEDNN_AVAILABLE and _ONEDNN_ENV != "0" and (
+    _ONEDNN_ENV == "1" or torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 # below this many multiply-adds (rows x in x out) aten's kernel is the faster one: oneDNN's per-call cost is
 # ~15 us (the demo's 96-wide decode stays on aten; its training rows and a 256-wide model's decode do not)
 ONEDNN_MIN_MACS = 2**21

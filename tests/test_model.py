@@ -1,7 +1,9 @@
 """model.py against Hugging Face's own Llama/Qwen2 implementations, on tiny random checkpoints."""
 
 import json
+import os
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,9 +251,10 @@ _TOK = char_tokenizer()
 @pytest.mark.parametrize("shape, bias, needs", [((3, 50, 480), True, "xwb"), ((70, 480), False, "xw"),
                                                 ((2, 90, 480), True, "x"), ((50, 480), False, "w"),
                                                 ((1, 2, 48), False, "xw")])  # the last below ONEDNN_MIN_MACS
-def test_linear_matches_fp64_reference(shape, bias, needs):
-    """model.linear (oneDNN on an x86 CPU) against F.linear in float64: the output and each gradient asked for
-    (the frozen-weight case is LoRA's base, the frozen-input case a first layer's)."""
+def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
+    """model.linear (oneDNN on an x86 CPU, on whichever CPU this runs) against F.linear in float64: the output and
+    each gradient asked for (the frozen-weight case is LoRA's base, the frozen-input case a first layer's)."""
+    monkeypatch.setattr(M, "ONEDNN", M.ONEDNN_AVAILABLE)
     g = torch.Generator().manual_seed(len(shape) + shape[-2])
     x = torch.randn(*shape, generator=g).requires_grad_("x" in needs)
     w = (torch.randn(96, shape[-1], generator=g) * 0.05).requires_grad_("w" in needs)
@@ -272,3 +275,21 @@ def test_linear_matches_fp64_reference(shape, bias, needs):
         assert (M.linear(x, w, b) - ref).abs().max() < 1e-5  # the no-grad call (decode, eval)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its bf16 matmul
         assert M.linear(x, w, b).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
+def test_onednn_only_where_the_cpu_runs_avx512():
+    """Where the CPU's kernels stop at AVX2 (here forced, as on most laptops) aten keeps the projections (oneDNN
+    is no faster there: docs/speed.md); MINIGRPO_ONEDNN=1 turns it on anyway, =0 off everywhere."""
+    import subprocess
+    import sys
+
+    def onednn(**env):
+        code = "import model, torch; print(model.ONEDNN, torch.backends.cpu.get_cpu_capability())"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=Path(M.__file__).parent, env={**os.environ, **env}).stdout.split()
+        return out[0] == "True", out[1]
+
+    assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="") == (False, "AVX2")
+    assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="1") == (True, "AVX2")
+    assert onednn(MINIGRPO_ONEDNN="0")[0] is False

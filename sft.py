@@ -26,8 +26,12 @@ Stopping: --steps is an upper bound (and the end of the cosine schedule, if --mi
 when resumed). With --stop_pass1 p the run stops once --stop_patience consecutive held-out
 evaluations (every --eval_every steps: greedy pass@1 on --eval_split, test problems that are never
 trained on, and disjoint from eval.py's default test[:400]) all reach p; one lucky eval is not
-enough. A run that never gets there says so in one line at the end (demo.sh then stops before GRPO,
-which cannot learn from a start whose samples are almost all wrong).
+enough. Then, with --stop_plateau N, it trains on until pass@1 stops climbing: the mean of the last
+N evals at most --stop_delta above the mean of the N before. (The bar is passed on the way up SFT's
+jump from memorising to the arithmetic; a start taken there is one where more SFT still gains a lot,
+so GRPO's lead over more SFT would say little.) A run that never gets to the bar says so in one line
+at the end (demo.sh then stops before GRPO, which cannot learn from a start whose samples are almost
+all wrong).
 
 The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated
 together. A small model can memorise its worked solutions instead of learning the arithmetic; weight
@@ -157,6 +161,9 @@ class SFTConfig:
     max_new_tokens: int = flag(64, "completion length limit in the in-loop eval")
     stop_pass1: float = flag(0.15, "stop once held-out pass@1 >= this (0 = run --steps)")
     stop_patience: int = flag(2, "... in this many consecutive evals (filters lucky ones)")
+    stop_plateau: int = flag(4, "... and then train on until held-out pass@1 stops climbing: the mean of "
+                             "the last N evals at most --stop_delta above the N before (0 = stop at the bar)")
+    stop_delta: float = flag(0.02, "the rise in pass@1 per --stop_plateau evals that still counts as climbing")
     # infrastructure
     dist: str = flag("ddp", "under torchrun: ddp | fsdp", choices=["ddp", "fsdp"])
     dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
@@ -226,6 +233,21 @@ def reached_bar(history: list[float], target: float, patience: int) -> bool:
     return target > 0 and len(recent) == patience and min(recent) >= target
 
 
+def should_stop(history: list[float], target: float, patience: int, window: int, delta: float) -> bool:
+    """--stop_pass1: the bar reached (reached_bar at some eval so far), and then, with window > 0, held-out
+    pass@1 no longer climbing: the mean of the last `window` evals is at most `delta` above the mean of the
+    `window` evals before them. (SFT's jump from memorising to the arithmetic passes the bar on its way up: a
+    start taken mid-jump is one more SFT still lifts a lot, docs/demo.md.)"""
+    if not any(reached_bar(history[: i + 1], target, patience) for i in range(len(history))):
+        return False
+    if window == 0:
+        return True
+    if len(history) < 2 * window:
+        return False
+    last, before = history[-window:], history[-2 * window : -window]
+    return sum(last) / window <= sum(before) / window + delta
+
+
 EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
 
 
@@ -262,7 +284,8 @@ def main(argv=None):
     check_flags(cfg,
                 at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
                 at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every",
-                            "keep", "max_minutes", "grad_clip", "weight_decay", "progress_every"),
+                            "stop_plateau", "stop_delta", "keep", "max_minutes", "grad_clip", "weight_decay",
+                            "progress_every"),
                 positive=("lr", "dist_timeout"))
     check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
@@ -441,14 +464,20 @@ def main(argv=None):
             metrics.update(eval_pass1=pass1, eval_format=summary["format"],
                            eval_len=summary["len_mean"])
             history.append(pass1)
-            stop = reached_bar(history, cfg.stop_pass1, cfg.stop_patience)
+            stop = should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau, cfg.stop_delta)
         log.write(metrics)
         shown = "-" if pass1 is None else f"{pass1:.3f}"
         bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {shown}")
         stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept for resume
-        if stop:
+        if stop and not cfg.stop_plateau:
             print0(f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
                    f"{cfg.stop_pass1} in {cfg.stop_patience} consecutive evals: stopping")
+        elif stop:
+            w = cfg.stop_plateau
+            print0(f"\nstep {step}: held-out pass@1 reached --stop_pass1 {cfg.stop_pass1} and stopped climbing "
+                   f"(mean of the last {w} evals {sum(history[-w:]) / w:.3f}, of the {w} before "
+                   f"{sum(history[-2 * w : -w]) / w:.3f}; --stop_plateau {w}, --stop_delta {cfg.stop_delta}): "
+                   "stopping")
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
         if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):

@@ -114,6 +114,29 @@ def test_stop_bar_needs_consecutive_evals():
     assert not sft.reached_bar([0.3], 0.15, 2) and not sft.reached_bar([0.3, 0.3], 0.0, 2)  # too few; off
 
 
+# the demo's SFT on the AVX2 path, seed 4, every 50 steps to step 2,000 (held-out pass@1 on test[-200:], ninth session)
+SEED4_AVX2 = [0.0, 0.01, 0.0, 0.0, 0.0, 0.0, 0.02, 0.015, 0.01, 0.015, 0.03, 0.02, 0.04, 0.015, 0.045, 0.045, 0.055,
+              0.125, 0.12, 0.165, 0.22, 0.21, 0.235, 0.285, 0.31, 0.305, 0.285, 0.34, 0.36, 0.37, 0.495, 0.365, 0.445,
+              0.52, 0.415, 0.48, 0.46, 0.44, 0.46, 0.465]  # fmt: skip
+
+
+def test_stop_plateau_waits_until_pass1_stops_climbing():
+    first = lambda h, **kw: next(i for i in range(len(h)) if sft.should_stop(h[: i + 1], 0.15, 2, **kw))
+    # the bar alone stops mid-jump: 0.165, 0.22 at steps 1,000 and 1,050
+    assert first(SEED4_AVX2, window=0, delta=0.02) == 20
+    # with the plateau: step 1,900. By hand: 1,750-1,900 mean (0.415 + 0.48 + 0.46 + 0.44) / 4 = 0.449 against
+    # 1,550-1,700 (0.495 + 0.365 + 0.445 + 0.52) / 4 = 0.456 (+ 0.02); one eval earlier 0.469 against 0.419 + 0.02
+    assert first(SEED4_AVX2, window=4, delta=0.02) == 37
+    # flat after the bar: it stops once both windows are past the climb (at 8 evals the first window still holds
+    # the 0.05: 0.165 > 0.135 + 0.02; at 9, 0.1625 <= 0.165 + 0.02); before the bar never, however flat
+    assert not sft.should_stop([0.05] * 20, 0.15, 2, 4, 0.02)
+    h = [0.05, 0.16, 0.17, 0.16, 0.17, 0.16, 0.16, 0.17, 0.16]
+    assert [sft.should_stop(h[:n], 0.15, 2, 4, 0.02) for n in (7, 8, 9)] == [False, False, True]
+    # a lucky eval is still not the bar, and 0 turns it all off
+    assert not sft.should_stop([0.0, 0.3, 0.0, 0.3] * 4, 0.15, 2, 4, 0.02)
+    assert not sft.should_stop([0.3] * 10, 0.0, 2, 4, 0.02)
+
+
 def test_stop_bar_never_reached_says_so_in_one_line(tmp_path, capsys):
     sft.main([*TINY, "--stop_pass1", "0.99", "--out_dir", str(tmp_path / "weak")])  # 6 steps: pass@1 stays ~0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]

@@ -106,7 +106,8 @@ def test_demo_defaults_are_the_calibrated_ones():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sft_start_lands_in_grpo_band(tmp_path, seed, kernels):
     """The demo's own SFT command (2 processes, one thread each) on two seeds x two CPU kernel paths: it must stop
-    on --stop_pass1 and its plateau within its --steps budget, with a start eval.py rates at >= demo.sh's MIN_START on test[:400]."""
+    on --stop_pass1 and its plateau within its --steps budget, with a start eval.py rates at >= demo.sh's
+    MIN_START on test[:400]."""
     floor = float(re.search(r"^MIN_START=\$\{MIN_START:-([\d.]+)\}$", (ROOT / "demo.sh").read_text(), re.M)[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", **KERNELS[kernels]}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -80,7 +80,7 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
 def _explain_collective_timeouts(rank: int, timeout_s: float):
     """After the usual traceback of a timed-out collective, say which one and what it means. (gloo's own message
     only says "Timed out waiting ...ms for recv operation to complete"; NCCL's watchdog names the op itself.)"""
-    previous, torch_dir = sys.excepthook, os.path.dirname(torch.__file__)
+    previous, torch_dir = sys.excepthook, os.path.dirname(torch.__file__) + os.sep  # not torchvision/, torchao/
 
     def hook(kind, err, tb):
         previous(kind, err, tb)  # torch's hook: the traceback, each line prefixed "[rankN]:"

@@ -316,6 +316,9 @@ def decode_attention(q, k, v, mask):
 # run alike and oneDNN's per-call cost makes a GRPO step ~4% slower, so aten keeps them. Same values to fp32
 # rounding. MINIGRPO_ONEDNN=0 turns it off, =1 on whatever the CPU.
 _ONEDNN_ENV = os.environ.get("MINIGRPO_ONEDNN", "")
+if _ONEDNN_ENV not in ("", "0", "1"):
+    raise ValueError(f"MINIGRPO_ONEDNN={_ONEDNN_ENV!r}: use 1 (oneDNN projections on), 0 (off) or leave it unset "
+                     "(on where the CPU runs AVX-512)")
 ONEDNN_AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 ONEDNN = ONEDNN_AVAILABLE and _ONEDNN_ENV != "0" and (
@@ -350,7 +353,8 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def linear(x, w, b=None):
-    """F.linear, through oneDNN for fp32 on an x86 CPU (see ONEDNN): x (..., in), w (out, in) -> (..., out)."""
+    """F.linear, through oneDNN for fp32 on an x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
+    -> (..., out)."""
     if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
             or x.numel() * w.shape[0] < ONEDNN_MIN_MACS or isinstance(w, DTensor)
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs

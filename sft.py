@@ -233,12 +233,17 @@ def reached_bar(history: list[float], target: float, patience: int) -> bool:
     return target > 0 and len(recent) == patience and min(recent) >= target
 
 
+def bar_reached(history: list[float], target: float, patience: int) -> bool:
+    """Whether reached_bar held at any eval so far (a later dip does not undo it)."""
+    return any(reached_bar(history[: i + 1], target, patience) for i in range(len(history)))
+
+
 def should_stop(history: list[float], target: float, patience: int, window: int, delta: float) -> bool:
     """--stop_pass1: the bar reached (reached_bar at some eval so far), and then, with window > 0, held-out
     pass@1 no longer climbing: the mean of the last `window` evals is at most `delta` above the mean of the
     `window` evals before them. (SFT's jump from memorising to the arithmetic passes the bar on its way up: a
     start taken mid-jump is one more SFT still lifts a lot, docs/demo.md.)"""
-    if not any(reached_bar(history[: i + 1], target, patience) for i in range(len(history))):
+    if not bar_reached(history, target, patience):
         return False
     if window == 0:
         return True
@@ -493,7 +498,7 @@ def main(argv=None):
         export_lora(model, tok, out, d)
     elif d.is_main:
         publish_model(ckpt, out / "model")
-    if cfg.stop_pass1 > 0 and history and not reached_bar(history, cfg.stop_pass1, cfg.stop_patience):
+    if cfg.stop_pass1 > 0 and history and not bar_reached(history, cfg.stop_pass1, cfg.stop_patience):
         # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong)
         # to the next stage
         print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in "

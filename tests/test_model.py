@@ -293,3 +293,6 @@ def test_onednn_only_where_the_cpu_runs_avx512():
     assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="") == (False, "AVX2")
     assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="1") == (True, "AVX2")
     assert onednn(MINIGRPO_ONEDNN="0")[0] is False
+    bad = subprocess.run([sys.executable, "-c", "import model"], capture_output=True, text=True,
+                         cwd=Path(M.__file__).parent, env={**os.environ, "MINIGRPO_ONEDNN": "yes"})
+    assert bad.returncode != 0 and "MINIGRPO_ONEDNN='yes': use 1" in bad.stderr

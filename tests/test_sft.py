@@ -112,6 +112,9 @@ def test_stop_bar_needs_consecutive_evals():
     assert sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
     assert not sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough
     assert not sft.reached_bar([0.3], 0.15, 2) and not sft.reached_bar([0.3, 0.3], 0.0, 2)  # too few; off
+    # reached once, then a dip: the bar was reached (no "never reached" warning at the end of such a run)
+    assert sft.bar_reached([0.2, 0.2, 0.1], 0.15, 2) and not sft.reached_bar([0.2, 0.2, 0.1], 0.15, 2)
+    assert not sft.bar_reached([0.2, 0.1, 0.2], 0.15, 2)
 
 
 # the demo's SFT on the AVX2 path, seed 4, every 50 steps to step 2,000 (held-out pass@1 on test[-200:], ninth session)

@@ -468,8 +468,11 @@ def main(argv=None):
             pass1 = summary["pass@1"]
             metrics.update(eval_pass1=pass1, eval_format=summary["format"],
                            eval_len=summary["len_mean"])
-            history.append(pass1)
-            stop = should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau, cfg.stop_delta)
+            if step % cfg.eval_every == 0:  # the stop rules see the grid's evals only: an extra one at
+                # a --max_minutes stop would shift the plateau window of the run it resumes into
+                history.append(pass1)
+                stop = should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau,
+                                   cfg.stop_delta)
         log.write(metrics)
         shown = "-" if pass1 is None else f"{pass1:.3f}"
         bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {shown}")

@@ -98,7 +98,7 @@ def test_output_loads_in_transformers(single_run):
     assert tok.decode(tok.encode("12+34=46</think>")) == "12+34=46</think>"
 
 
-def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path):
+def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path, single_run):
     out = tmp_path / "timed"
     sft.main([*TINY, "--max_minutes", "1e-9", "--out_dir", str(out)])  # any step takes longer than this
     rows = metrics(out)
@@ -106,6 +106,13 @@ def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path):
     assert (out / "latest").read_text().strip() == "step_000001" and (out / "model" / "config.json").is_file()
     sft.main([*TINY, "--max_minutes", "1e-9", "--out_dir", str(out)])  # run again: it stays stopped
     assert len(metrics(out)) == 1
+    # given more time it goes on, and its stop rules see the same evals as the uninterrupted run's (steps 3
+    # and 6; not step 1's extra one, which would shift --stop_plateau's window)
+    sft.main([*TINY, "--out_dir", str(out)])
+    assert [r["step"] for r in metrics(out)] == list(range(1, 7))
+    got = json.loads((out / "step_000006" / "progress.json").read_text())["eval_history"]
+    ref = json.loads((single_run / "step_000006" / "progress.json").read_text())["eval_history"]
+    assert len(ref) == 2 and got == ref
 
 
 def test_stop_bar_needs_consecutive_evals():

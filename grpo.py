@@ -173,6 +173,8 @@ class GRPOConfig:
     data_seed: int = flag(0, "seed of the built-in task's problems")
     eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
     save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+    save_minutes: float = flag(30.0, "also checkpoint once this much wall time has passed since the "
+                               "last checkpoint (0 = off): a crash loses at most that much")
     keep: int = flag(2, "checkpoints to keep")
     log_samples: int = flag(2, "completions per step written to samples.jsonl")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
@@ -643,7 +645,7 @@ def main(argv=None):
                 at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu",
                             "steps"),
                 at_least_0=("train_micro_batch", "micro_batch_tokens", "top_k", "warmup",
-                            "eval_every", "save_every", "keep", "log_samples", "max_minutes", "beta",
+                            "eval_every", "save_every", "save_minutes", "keep", "log_samples", "max_minutes", "beta",
                             "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
                 positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
@@ -732,6 +734,7 @@ def main(argv=None):
     # wall time since start. Checkpoints written before the rename hold only the first, as t_train
     train_s = state.get("train_s", state.get("t_train", 0.0))
     t_start = time.perf_counter() - state.get("wall_s", train_s)
+    saved_at = time.perf_counter()  # when the newest checkpoint was written (--save_minutes)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
     bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main,
                    every_s=cfg.progress_every)
@@ -802,7 +805,9 @@ def main(argv=None):
         bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | "
                    f"zero-std {metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | "
                    f"gen {t1 - t0:.2f}s train {t3 - t2:.2f}s{evaluated}")
-        if done or (cfg.save_every and step % cfg.save_every == 0):
+        due = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
+        if done or due or (cfg.save_every and step % cfg.save_every == 0):
+            saved_at = time.perf_counter()
             stopped = "time" if done and step < cfg.steps else False
             train_state = {"train_s": train_s, "wall_s": metrics["wall_s"], "stopped": stopped}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt,

@@ -177,6 +177,8 @@ class SFTConfig:
                                  "or pipe (a terminal gets a bar)")
     out_dir: str = flag("runs/sft", "run directory; the final model goes to OUT/model")
     save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+    save_minutes: float = flag(30.0, "also checkpoint once this much wall time has passed since the "
+                               "last checkpoint (0 = off): a crash loses at most that much")
     keep: int = flag(2, "checkpoints to keep")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
                        "none: start fresh | PATH: that checkpoint")
@@ -288,7 +290,7 @@ def main(argv=None):
     W = d.world_size
     check_flags(cfg,
                 at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
-                at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every",
+                at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every", "save_minutes",
                             "stop_plateau", "stop_delta", "keep", "max_minutes", "grad_clip", "weight_decay",
                             "progress_every"),
                 positive=("lr", "dist_timeout"))
@@ -418,6 +420,7 @@ def main(argv=None):
     # time since start ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
     train_s = state.get("train_s", state.get("t_train", 0.0))
     t_start = time.perf_counter() - state.get("wall_s", state.get("elapsed_s", 0.0))
+    saved_at = time.perf_counter()  # when the newest checkpoint was written (--save_minutes)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
     bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main,
                    every_s=cfg.progress_every)
@@ -488,7 +491,9 @@ def main(argv=None):
                    "stopping")
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
-        if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        due = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
+        if stopped or step == cfg.steps or due or (cfg.save_every and step % cfg.save_every == 0):
+            saved_at = time.perf_counter()
             train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
                            "stopped": stopped, "eval_history": history, "train_s": train_s}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt,

@@ -117,6 +117,16 @@ def test_bad_flags_give_one_clear_line(tiny_dir, tmp_path):
         assert "Traceback" not in r.stderr
 
 
+def test_save_minutes_checkpoints_by_wall_time(tiny_dir, tmp_path):
+    """--save_minutes: with --save_every 0 a checkpoint once the time since the last one passes it (here: every
+    step); the default (30 min) writes none in between on a short run."""
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "a"), *FLAGS, "--save_minutes", "1e-9",
+               "--keep", "5"])  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "a").glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "b"), *FLAGS, "--keep", "5"])
+    assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000003"]
+
+
 def test_optional_loggers_get_every_metric(tiny_dir, tmp_path, fake_wandb):
     """--wandb (a recorder in place of the package) and --tensorboard (when installed) get metrics.jsonl's numbers."""
     tb = importlib.util.find_spec("tensorboard") is not None

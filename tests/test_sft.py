@@ -115,6 +115,11 @@ def test_max_minutes_stops_with_a_final_eval_and_model(tmp_path, single_run):
     assert len(ref) == 2 and got == ref
 
 
+def test_save_minutes_checkpoints_by_wall_time(tmp_path):
+    sft.main([*TINY, "--save_every", "0", "--save_minutes", "1e-9", "--keep", "9", "--out_dir", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{i:06d}" for i in range(1, 7)]
+
+
 def test_stop_bar_needs_consecutive_evals():
     assert sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
     assert not sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough

@@ -26,12 +26,13 @@ Stopping: --steps is an upper bound (and the end of the cosine schedule, if --mi
 when resumed). With --stop_pass1 p the run stops once --stop_patience consecutive held-out
 evaluations (every --eval_every steps: greedy pass@1 on --eval_split, test problems that are never
 trained on, and disjoint from eval.py's default test[:400]) all reach p; one lucky eval is not
-enough. Then, with --stop_plateau N, it trains on until pass@1 stops climbing: the mean of the last
-N evals at most --stop_delta above the mean of the N before. (The bar is passed on the way up SFT's
-jump from memorising to the arithmetic; a start taken there is one where more SFT still gains a lot,
-so GRPO's lead over more SFT would say little.) A run that never gets to the bar says so in one line
-at the end (demo.sh then stops before GRPO, which cannot learn from a start whose samples are almost
-all wrong).
+enough. Then, with --stop_plateau N, it trains on until pass@1 stops climbing at --stop_floor or
+above: the mean of the last N evals at least --stop_floor and at most --stop_delta above the mean of
+the N before. (The bar is passed on the way up SFT's jump from memorising to the arithmetic; a start
+taken there, or at a false plateau low on the climb, is one where more SFT still gains a lot, so
+GRPO's lead over more SFT would say little: docs/demo.md.) A run that never gets to the bar, or to
+the floor, says so in one line at the end (demo.sh stops before GRPO, which cannot learn from a
+start whose samples are almost all wrong, if eval.py rates it under MIN_START).
 
 The demo's defaults (the `demo` preset of model.py, the 5% slice, this recipe) are calibrated
 together. A small model can memorise its worked solutions instead of learning the arithmetic; weight
@@ -164,6 +165,8 @@ class SFTConfig:
     stop_plateau: int = flag(4, "... and then train on until held-out pass@1 stops climbing: the mean of "
                              "the last N evals at most --stop_delta above the N before (0 = stop at the bar)")
     stop_delta: float = flag(0.02, "the rise in pass@1 per --stop_plateau evals that still counts as climbing")
+    stop_floor: float = flag(0.3, "... and the plateau counts only where the mean of its last --stop_plateau "
+                             "evals is at least this (0 = any level)")
     # infrastructure
     dist: str = flag("ddp", "under torchrun: ddp | fsdp", choices=["ddp", "fsdp"])
     dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
@@ -240,19 +243,38 @@ def bar_reached(history: list[float], target: float, patience: int) -> bool:
     return any(reached_bar(history[: i + 1], target, patience) for i in range(len(history)))
 
 
-def should_stop(history: list[float], target: float, patience: int, window: int, delta: float) -> bool:
+def should_stop(history: list[float], target: float, patience: int, window: int, delta: float,
+                floor: float = 0.0) -> bool:
     """--stop_pass1: the bar reached (reached_bar at some eval so far), and then, with window > 0, held-out
-    pass@1 no longer climbing: the mean of the last `window` evals is at most `delta` above the mean of the
-    `window` evals before them. (SFT's jump from memorising to the arithmetic passes the bar on its way up: a
-    start taken mid-jump is one more SFT still lifts a lot, docs/demo.md.)"""
+    pass@1 no longer climbing, at `floor` or above: the mean of the last `window` evals is at least `floor` and
+    at most `delta` above the mean of the `window` evals before them. (SFT's jump from memorising to the
+    arithmetic passes the bar on its way up, and evals of 200 problems scatter by +-0.05, so a low start can
+    look flat while more SFT still lifts it a lot: docs/demo.md.)"""
     if not bar_reached(history, target, patience):
         return False
     if window == 0:
         return True
     if len(history) < 2 * window:
         return False
-    last, before = history[-window:], history[-2 * window : -window]
-    return sum(last) / window <= sum(before) / window + delta
+    last, before = sum(history[-window:]) / window, sum(history[-2 * window : -window]) / window
+    return floor <= last <= before + delta
+
+
+def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
+    """The one line a run that ended without its stop rule prints: the bar never reached (a start that leaves
+    GRPO almost no signal: all G samples wrong), or the --steps budget spent under --stop_floor."""
+    if cfg.stop_pass1 <= 0 or not history:
+        return None
+    if not bar_reached(history, cfg.stop_pass1, cfg.stop_patience):
+        return (f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in {cfg.stop_patience} "
+                f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
+                "this start learns little: run again with more --steps (it resumes) or another --seed")
+    w = cfg.stop_plateau
+    if not w or step < cfg.steps or len(history) < w or sum(history[-w:]) / w >= cfg.stop_floor:
+        return None
+    return (f"warning: held-out pass@1 passed --stop_pass1 {cfg.stop_pass1}, but the mean of its last {w} evals is "
+            f"{sum(history[-w:]) / w:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: more "
+            "SFT would likely still beat GRPO from this start; run again with more --steps (it resumes)")
 
 
 EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
@@ -291,8 +313,8 @@ def main(argv=None):
     check_flags(cfg,
                 at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
                 at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every", "save_minutes",
-                            "stop_plateau", "stop_delta", "keep", "max_minutes", "grad_clip", "weight_decay",
-                            "progress_every"),
+                            "stop_plateau", "stop_delta", "stop_floor", "keep", "max_minutes", "grad_clip",
+                            "weight_decay", "progress_every"),
                 positive=("lr", "dist_timeout"))
     check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
     if cfg.global_batch % W:
@@ -475,7 +497,7 @@ def main(argv=None):
                 # a --max_minutes stop would shift the plateau window of the run it resumes into
                 history.append(pass1)
                 stop = should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau,
-                                   cfg.stop_delta)
+                                   cfg.stop_delta, cfg.stop_floor)
         log.write(metrics)
         shown = "-" if pass1 is None else f"{pass1:.3f}"
         bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {shown}")
@@ -487,8 +509,8 @@ def main(argv=None):
             w = cfg.stop_plateau
             print0(f"\nstep {step}: held-out pass@1 reached --stop_pass1 {cfg.stop_pass1} and stopped climbing "
                    f"(mean of the last {w} evals {sum(history[-w:]) / w:.3f}, of the {w} before "
-                   f"{sum(history[-2 * w : -w]) / w:.3f}; --stop_plateau {w}, --stop_delta {cfg.stop_delta}): "
-                   "stopping")
+                   f"{sum(history[-2 * w : -w]) / w:.3f}; --stop_plateau {w}, --stop_delta {cfg.stop_delta}, "
+                   f"--stop_floor {cfg.stop_floor}): stopping")
         elif out_of_time:
             print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
         due = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
@@ -506,13 +528,9 @@ def main(argv=None):
         export_lora(model, tok, out, d)
     elif d.is_main:
         publish_model(ckpt, out / "model")
-    if cfg.stop_pass1 > 0 and history and not bar_reached(history, cfg.stop_pass1, cfg.stop_patience):
-        # say it, rather than hand a start that leaves GRPO almost no signal (all G samples wrong)
-        # to the next stage
-        print0(f"warning: held-out pass@1 never reached --stop_pass1 {cfg.stop_pass1} in "
-               f"{cfg.stop_patience} consecutive evals by step {step} (best {max(history):.3f}, last "
-               f"{history[-1]:.3f}); GRPO from this start learns little: run again with more --steps "
-               "(it resumes) or another --seed")
+    warning = end_warning(history, step, cfg)
+    if warning:  # say it, rather than silently hand GRPO a start it learns little from
+        print0(warning)
     # FSDP2: this rank's own shard
     shards = [getattr(t, "_local_tensor", t) for st in opt.state.values() for t in st.values()]
     opt_bytes = sum(t.numel() * t.element_size() for t in shards)

@@ -84,7 +84,7 @@ def test_demo_reference_figures_are_the_readmes():
 CALIBRATED_SFT = {"model": "demo", "model_overrides": "", "split": "train[:5%]", "global_batch": 32, "lr": 3e-3,
                   "warmup": 50, "min_lr_ratio": 1.0, "weight_decay": 1.0, "steps": 8000, "eval_every": 50,
                   "eval_split": "test[-200:]", "stop_pass1": 0.15, "stop_patience": 2,
-                  "stop_plateau": 4, "stop_delta": 0.02}
+                  "stop_plateau": 4, "stop_delta": 0.02, "stop_floor": 0.3}
 CALIBRATED_MODEL = {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 2, "num_attention_heads": 4,
                     "num_key_value_heads": 2, "tie_word_embeddings": True}
 KERNELS = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",

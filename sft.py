@@ -270,10 +270,13 @@ def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
                 f"consecutive evals by step {step} (best {max(history):.3f}, last {history[-1]:.3f}); GRPO from "
                 "this start learns little: run again with more --steps (it resumes) or another --seed")
     w = cfg.stop_plateau
-    if not w or step < cfg.steps or len(history) < w or sum(history[-w:]) / w >= cfg.stop_floor:
+    if not w or step < cfg.steps or len(history) < w:
+        return None
+    mean = sum(history[-w:]) / w
+    if mean >= cfg.stop_floor:
         return None
     return (f"warning: held-out pass@1 passed --stop_pass1 {cfg.stop_pass1}, but the mean of its last {w} evals is "
-            f"{sum(history[-w:]) / w:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: more "
+            f"{mean:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: more "
             "SFT would likely still beat GRPO from this start; run again with more --steps (it resumes)")
 
 

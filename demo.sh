@@ -23,8 +23,8 @@ OUT=${OUT:-runs}     # everything goes under this folder
 MIN_START=${MIN_START:-0.10}
 # docs/demo.md's table on the current code (greedy pass@1 on test[:400]: mean, min, max over its cells, each a whole
 # demo from a fresh clone): the SFT start; SFT + GRPO. tests/test_demo.py checks them against it.
-REF_SFT="0.358 0.280 0.4125"
-REF_GRPO="0.820 0.700 0.9575"
+REF_SFT="0.3567 0.270 0.4625"
+REF_GRPO="0.835 0.700 0.9775"
 read -r -a SFT <<<"${SFT_FLAGS:-}"
 read -r -a GRPO <<<"${GRPO_FLAGS:-}"
 read -r -a EVAL <<<"${EVAL_FLAGS:-}"
@@ -69,8 +69,8 @@ for name, path in rows:
     mine.append(g["pass@1"])
     print(f"{name:12s} {g['pass@1']:14.3f} {t.get('pass@8', float('nan')):13.3f} {t.get('maj@8', float('nan')):7.3f}"
           f" {g['format']:7.3f}")
-print("\nvs docs/demo.md's table over seeds and floating-point paths (greedy pass@1: mean [min, max] of its cells; so far\n"
-      "3 seeds each of the AVX2 path and one process x 2 threads: another CPU's path may land elsewhere in the band)")
+print("\nvs docs/demo.md's table over seeds and floating-point paths (greedy pass@1: mean [min, max] of its cells: five\n"
+      "paths on three CPUs, AMD and Intel, 3-5 seeds each; another CPU's path may land elsewhere in the band)")
 for (name, _), x, (mean, lo, hi) in zip(rows, mine, ref):
     where = "inside" if lo <= x <= hi else "below" if x < lo else "above"
     print(f"  {name:12s} {x:.3f} vs {mean:.3f} [{lo:.3f}, {hi:.3f}]: {where} its range")

@@ -23,8 +23,8 @@ OUT=${OUT:-runs}     # everything goes under this folder
 MIN_START=${MIN_START:-0.10}
 # docs/demo.md's table on the current code (greedy pass@1 on test[:400]: mean, min, max over its cells, each a whole
 # demo from a fresh clone): the SFT start; SFT + GRPO. tests/test_demo.py checks them against it.
-REF_SFT="0.3483 0.2675 0.4625"
-REF_GRPO="0.8289 0.700 0.9775"
+REF_SFT="0.3446 0.2675 0.4625"
+REF_GRPO="0.8269 0.700 0.9775"
 read -r -a SFT <<<"${SFT_FLAGS:-}"
 read -r -a GRPO <<<"${GRPO_FLAGS:-}"
 read -r -a EVAL <<<"${EVAL_FLAGS:-}"

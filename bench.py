@@ -25,8 +25,8 @@ installed the TRL side is skipped (one line) and the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots) and with the compiled static decode
 step (compile=True; its first step compiles, inside the warm-up), and with every fp32 projection on aten's
-kernel instead of oneDNN (model.ONEDNN off; where the CPU stops at AVX2, the other way round), each on its own
-copy of the model, interleaved with the rest.
+kernel instead of oneDNN (model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way
+round), each on its own copy of the model, interleaved with the rest.
 """
 
 import argparse

@@ -310,19 +310,38 @@ def decode_attention(q, k, v, mask):
     return torch.matmul(w.float().softmax(-1).to(v.dtype), v)
 
 
-# fp32 projections on an x86 CPU with AVX-512 go through oneDNN (torch's own CPU kernels library): torch sends an
-# fp32 F.linear to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430
-# GFLOP/s at (3500, 256) x (256, 768); docs/speed.md). Where the CPU (or ATEN_CPU_CAPABILITY) stops at AVX2 the two
-# run alike and oneDNN's per-call cost makes a GRPO step ~4% slower, so aten keeps them. Same values to fp32
-# rounding. MINIGRPO_ONEDNN=0 turns it off, =1 on whatever the CPU.
+# fp32 projections on an AMD x86 CPU with AVX-512 go through oneDNN (torch's own CPU kernels library): torch sends
+# an fp32 F.linear to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430
+# GFLOP/s at (3500, 256) x (256, 768); docs/speed.md). On an Intel Xeon with AVX-512 MKL is the faster one (oneDNN
+# 0.81-0.97x at the same shapes, a GRPO step 12% slower), and where the CPU (or ATEN_CPU_CAPABILITY) stops at AVX2
+# the two run alike and oneDNN's per-call cost makes a GRPO step ~4% slower, so aten keeps them there. Same values
+# to fp32 rounding. MINIGRPO_ONEDNN=0 turns it off, =1 on whatever the CPU.
 _ONEDNN_ENV = os.environ.get("MINIGRPO_ONEDNN", "")
 if _ONEDNN_ENV not in ("", "0", "1"):
     raise ValueError(f"MINIGRPO_ONEDNN={_ONEDNN_ENV!r}: use 1 (oneDNN projections on), 0 (off) or leave it unset "
-                     "(on where the CPU runs AVX-512)")
+                     "(on where the CPU is an AMD one that runs AVX-512)")
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The x86 vendor string ('AuthenticAMD', 'GenuineIntel', ...) from /proc/cpuinfo (Linux) or, elsewhere,
+    platform.processor() (Windows: 'AMD64 Family 25 ... AuthenticAMD'); '' where neither says."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read(1 << 16)
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    proc = platform.processor()
+    return next((v for v in ("AuthenticAMD", "GenuineIntel") if v in proc), "")
+
+
 ONEDNN_AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-ONEDNN = ONEDNN_AVAILABLE and _ONEDNN_ENV != "0" and (
-    _ONEDNN_ENV == "1" or torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+ONEDNN = ONEDNN_AVAILABLE and _ONEDNN_ENV != "0" and (_ONEDNN_ENV == "1" or (
+    torch.backends.cpu.get_cpu_capability().startswith("AVX512") and cpu_vendor() == "AuthenticAMD"))
 # below this many multiply-adds (rows x in x out) aten's kernel is the faster one: oneDNN's per-call cost is
 # ~15 us (the demo's 96-wide decode stays on aten; its training rows and a 256-wide model's decode do not)
 ONEDNN_MIN_MACS = 2**21
@@ -353,7 +372,7 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def linear(x, w, b=None):
-    """F.linear, through oneDNN for fp32 on an x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
+    """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
     -> (..., out)."""
     if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
             or x.numel() * w.shape[0] < ONEDNN_MIN_MACS or isinstance(w, DTensor)

@@ -277,22 +277,35 @@ def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
         assert M.linear(x, w, b).dtype == torch.bfloat16
 
 
+def test_cpu_vendor_reads_cpuinfo():
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 167\n"
+    assert M.cpu_vendor(amd) == "AuthenticAMD" and M.cpu_vendor(intel) == "GenuineIntel"
+    assert M.cpu_vendor("") in ("", "AuthenticAMD", "GenuineIntel")  # then platform.processor() decides
+
+
 @pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
 def test_onednn_only_where_the_cpu_runs_avx512():
     """Where the CPU's kernels stop at AVX2 (here forced, as on most laptops) aten keeps the projections (oneDNN
-    is no faster there: docs/speed.md); MINIGRPO_ONEDNN=1 turns it on anyway, =0 off everywhere."""
+    is no faster there: docs/speed.md), and so on an Intel CPU (MKL is the faster one there); by default oneDNN runs
+    them only on an AMD CPU with AVX-512. MINIGRPO_ONEDNN=1 turns it on anyway, =0 off everywhere."""
     import subprocess
     import sys
 
     def onednn(**env):
         code = "import model, torch; print(model.ONEDNN, torch.backends.cpu.get_cpu_capability())"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             cwd=Path(M.__file__).parent, env={**os.environ, **env}).stdout.split()
+                             cwd=Path(M.__file__).parent,
+                             env={k: v for k, v in {**os.environ, **env}.items() if v is not None}).stdout.split()
         return out[0] == "True", out[1]
 
     assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="") == (False, "AVX2")
     assert onednn(ATEN_CPU_CAPABILITY="avx2", MINIGRPO_ONEDNN="1") == (True, "AVX2")
     assert onednn(MINIGRPO_ONEDNN="0")[0] is False
+    on, cap = onednn(MINIGRPO_ONEDNN=None, ATEN_CPU_CAPABILITY=None)
+    amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
+    if amd is not None:  # this machine's default: on only for an AMD CPU with AVX-512
+        assert on == (amd and cap.startswith("AVX512")), (on, cap, amd)
     bad = subprocess.run([sys.executable, "-c", "import model"], capture_output=True, text=True,
                          cwd=Path(M.__file__).parent, env={**os.environ, "MINIGRPO_ONEDNN": "yes"})
     assert bad.returncode != 0 and "MINIGRPO_ONEDNN='yes': use 1" in bad.stderr

@@ -276,8 +276,8 @@ def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
     if mean >= cfg.stop_floor:
         return None
     return (f"warning: held-out pass@1 passed --stop_pass1 {cfg.stop_pass1}, but the mean of its last {w} evals is "
-            f"{mean:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: more "
-            "SFT would likely still beat GRPO from this start; run again with more --steps (it resumes)")
+            f"{mean:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: from such a start "
+            "more SFT has beaten GRPO (and lost to it: docs/demo.md); run again with more --steps (it resumes)")
 
 
 EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)

@@ -277,11 +277,15 @@ def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
         assert M.linear(x, w, b).dtype == torch.bfloat16
 
 
-def test_cpu_vendor_reads_cpuinfo():
+def test_cpu_vendor_reads_cpuinfo(monkeypatch):
     amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 167\n"
     assert M.cpu_vendor(amd) == "AuthenticAMD" and M.cpu_vendor(intel) == "GenuineIntel"
-    assert M.cpu_vendor("") in ("", "AuthenticAMD", "GenuineIntel")  # then platform.processor() decides
+    # without /proc/cpuinfo's line, platform.processor() decides (Windows names the vendor; macOS says "i386")
+    monkeypatch.setattr(M.platform, "processor", lambda: "AMD64 Family 25 Model 1 Stepping 1, AuthenticAMD")
+    assert M.cpu_vendor("") == "AuthenticAMD"
+    monkeypatch.setattr(M.platform, "processor", lambda: "i386")
+    assert M.cpu_vendor("") == ""
 
 
 @pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")

@@ -19,10 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from model import KVCache, SharedPromptCache, rope_cos_sin
+from model import KVCache, SharedPromptCache, decode_attention, linear, rope_cos_sin
 
 
 @dataclass
@@ -41,7 +43,8 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, logits.log_softmax(-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    logits = logits / temperature
+    if temperature != 1:
+        logits = logits / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (N, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -81,7 +84,7 @@ def gathered(model):
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_samples=1, temperature=1.0, top_p=1.0,
              top_k=0, eos_ids=(), pad_id=0, generator: torch.Generator | None = None, noise=None,
-             static=None, compile=None, cuda_graph=None, shared_prompt=None) -> Generation:
+             static=None, compile=None, cuda_graph=None, shared_prompt=None, fused=None) -> Generation:
     """Samples num_samples completions for each prompt (token id lists of any lengths). Randomness comes only
     from `generator` (on the model's device), or from `noise`: (N, max_new_tokens) uniforms in [0, 1) on the
     model's device, row i's draw at step t being noise[i, t], so a row's samples do not depend on which other
@@ -94,8 +97,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
     shared_prompt=True (the growing forward, num_samples > 1): the G rows of a prompt attend to its cache slots
     held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once per step for
-    its G samples. None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was
-    chosen). Every mode samples the same tokens; log-probs agree to float rounding."""
+    its G samples. fused=True (the growing step, fp32, no autocast, LoRA or FSDP2): each step runs fused_step, the
+    same arithmetic as the model's forward in about half the tensor ops (fused_layers). None picks the device's
+    default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was chosen). Every mode samples the same
+    tokens; log-probs agree to float rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config
@@ -113,8 +118,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     if noise is not None and tuple(noise.shape) != (len(prompts) * num_samples, max_new_tokens):
         raise ValueError(f"noise of shape {tuple(noise.shape)}: expected (prompts * num_samples, max_new_tokens)")
     default = DEFAULTS.get(device.type, {"static": False, "compile": False, "cuda_graph": False,
-                                         "shared_prompt": False})
+                                         "shared_prompt": False, "fused": False})
     shared_prompt = default["shared_prompt"] if shared_prompt is None else shared_prompt
+    fused = default["fused"] if fused is None else fused
     compile = default["compile"] if compile is None else compile
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     cuda_graph = (default["cuda_graph"] and not sharded) if cuda_graph is None else cuda_graph
@@ -123,14 +129,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
+        layers = fused_layers(model) if fused and not static and not sharded else None
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
-                         generator, noise, static, compile, cuda_graph, shared_prompt)
+                         generator, noise, static, compile, cuda_graph, shared_prompt, layers)
 
 
 # device type -> generate()'s modes when given None: chosen by measurement (docs/speed.md, "Decoding speed"). CUDA: not
 # measured yet, so off there too
-DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": True},
-            "cuda": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": False}}
+DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": True, "fused": True},
+            "cuda": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": False, "fused": False}}
 DROP_EVERY = 8  # the growing forward drops the finished rows once they are 1/8 of the rows left (a cache copy)
 SLOT_BUCKET = 32  # the cache length is rounded up to a multiple of this: fewer distinct shapes to compile / capture
 
@@ -163,13 +170,79 @@ class _SlotWriter:
         return self.cache.k_layers[layer], self.cache.v_layers[layer]
 
 
+FUSED_MAX_BYTES = 2**28  # fused_layers' weight copies stay under this (256 MiB), else the model's forward decodes
+
+
+def fused_layers(model) -> list[tuple] | None:
+    """fused_step's weights, per layer: (input norm, q/k/v stacked (out, in), their biases stacked or None, o_proj,
+    post-attention norm, gate/up stacked (2 I, in), down_proj). Copies, made once per generate call: one matmul
+    where the model runs three, one where it runs two. None where the step does not apply: LoRA adapters, weights
+    other than fp32, autocast, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves
+    nothing)."""
+    w = model.embed_tokens.weight
+    projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
+    projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
+    if (not all(isinstance(m, nn.Linear) for m in projections) or torch.is_autocast_enabled(w.device.type)
+            or any(p.dtype != torch.float32 for p in model.parameters())
+            or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
+        return None
+    layers = []
+    for b in model.layers:
+        a, m = b.self_attn, b.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 I, C)
+        layers.append((b.input_layernorm.weight, qkv, bias, a.o_proj.weight, b.post_attention_layernorm.weight,
+                       gate_up, m.down_proj.weight))
+    return layers
+
+
+def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same values in fewer ops (mean: sum, divide)
+    # (width, eps: 0-d tensors of x's dtype: a Python number would be converted to one at every call)
+    return w * (x * x.pow(2).sum(-1, keepdim=True).div_(width).add_(eps).rsqrt_())
+
+
+def fused_step(model, layers, cache, tok, cos, sin, bias):
+    """One new token per row: the model's forward at T = 1 (Block, Attention, MLP, RMSNorm, apply_rope,
+    decode_attention: the same operations in the same order, so the same values on this machine's kernels) in
+    about half its tensor ops, where the decode of a small model is their per-call cost: the fused_layers matmuls,
+    RoPE on q and k at once, a key mask kept between steps instead of built, RoPE's tables looked up.
+    tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); bias (n, S) fp32, 0 on the
+    slots a row attends to (this step's included), -inf elsewhere, for a KVCache; None for a SharedPromptCache.
+    -> logits (n, V) fp32."""
+    cfg = model.config
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n, t = len(tok), cache.length + 1
+    x = model.embed_tokens.weight[tok]  # (n, C)
+    norm = x.new_tensor(float(cfg.hidden_size)), x.new_tensor(cfg.rms_norm_eps)
+    for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(layers):
+        qkv = linear(_rms_norm(x, w_in, *norm), w_qkv, b_qkv)  # (n, (H + 2 Hkv) D)
+        qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # apply_rope, q and k at once
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(n, Hkv, D)
+        if bias is None:  # the G rows of a prompt attend to its slots held once
+            y = cache.attend(i, q[:, None], k[:, None], v[:, None])[:, 0]  # (n, H D)
+        else:
+            keys, values = cache.k_layers[i], cache.v_layers[i]  # (n, Hkv, S, D)
+            keys[:, :, t - 1], values[:, :, t - 1] = k, v
+            y = decode_attention(q.reshape(n, Hkv, H // Hkv, D), keys[:, :, :t], values[:, :, :t],
+                                 bias[:, None, None, :t]).view(n, H * D)
+        x = x + linear(y, w_o)
+        gate_up = linear(_rms_norm(x, w_post, *norm), w_gate_up)  # (n, 2 I)
+        I = gate_up.shape[1] // 2
+        x = x + linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w_down)
+    cache.length = t
+    return linear(_rms_norm(x, model.norm.weight, *norm), model.lm_head.weight)
+
+
 _compiled_step = None
 
 
 class Decoder:
     """One decode step and the buffers it works on: a KVCache of N rows x S slots and the key mask keys (N, S).
-    static=False: the model's forward over the slots filled so far. With cuda_graph the first call captures the
-    static step (on copies of its inputs) and later calls replay it."""
+    static=False: the model's forward over the slots filled so far, or fused_step where fuse() gave it its weights
+    (then the key mask is an additive one, bias). With cuda_graph the first call captures the static step (on
+    copies of its inputs) and later calls replay it."""
 
     def __init__(self, cfg, N, S, device, dtype, static, compile, cuda_graph, cache=None):
         global _compiled_step
@@ -180,14 +253,32 @@ class Decoder:
             _compiled_step = torch.compile(decode_step)
         self.step = _compiled_step if compile else decode_step
         self.static, self.cuda_graph, self.graph = static, cuda_graph, None
+        self.layers = self.bias = None
+
+    def fuse(self, layers, rope):  # decode with fused_step: fused_layers' weights, rope = (cos, sin) (positions, 1, D)
+        self.layers, self.rope = layers, rope
+        if self.keys is not None:  # the key mask, additive: 0 where a row attends
+            self.bias = torch.zeros(self.keys.shape, device=self.keys.device).masked_fill_(~self.keys, float("-inf"))
+            self.keys = None
+
+    def open(self, slot: int):  # from now on every row attends to this slot
+        if self.keys is not None:
+            self.keys[:, slot] = True
+        if self.bias is not None:
+            self.bias[:, slot] = 0.0
 
     def keep(self, rows):  # rows (n,) long: keep these rows of the cache and the key mask, in this order
         self.cache.keep_rows(rows)
         if self.keys is not None:
             self.keys = self.keys[rows]
+        if self.bias is not None:
+            self.bias = self.bias[rows]
 
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
-        if not self.static:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
+        if self.layers is not None:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
+            p = pos[:, 0]
+            return fused_step(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p], self.bias)
+        if not self.static:  # the same, through the model's forward
             return model(tok, cache=self.cache, input_pos=pos, attn_mask=self.keys, last_only=True)[:, -1]
         if not self.cuda_graph:
             return self.step(model, self.cache, tok, pos, slot, self.keys)
@@ -223,7 +314,7 @@ def decoder(model, N, S, device, dtype, static, compile, cuda_graph) -> Decoder:
 
 
 def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, noise,
-              static, compile, cuda_graph, shared_prompt):
+              static, compile, cuda_graph, shared_prompt, layers):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
     device, dtype = weight.device, weight.dtype
     if torch.is_autocast_enabled(device.type):  # bf16 compute over fp32 weights: the cache holds what it computes
@@ -250,13 +341,16 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
         dec.keys.zero_()[:, :L] = real.repeat_interleave(G, 0)  # (N, S): the prompts' real slots; decode slots follow
     del prefill
     pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1) position of the first new token
+    if layers is not None:  # RoPE's tables for every position a new token can take: (positions, 1, D) each
+        at = torch.arange(int(pos.max()) + max_new_tokens, device=device)[:, None]
+        dec.fuse(layers, [x[:, 0] for x in rope_cos_sin(model.inv_freq, at, dtype)])
     slot = torch.tensor([L], device=device)  # (1,) the cache slot of the first new token
     logits = logits.repeat_interleave(G, 0)  # (N, V)
 
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, max_new_tokens, device=device)
-    rows = torch.arange(N, device=device)  # (n,) the rows still decoding: all, until rows are dropped
+    rows, n = slice(None), N  # the n rows still decoding: all (a slice), then (n,) long once rows are dropped
     done = torch.zeros(N, dtype=torch.bool, device=device)  # (n,) of those, the ones past their stop token
     for t in range(max_new_tokens):
         u = None  # (n, 1) uniforms
@@ -267,15 +361,15 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
         tok, out_logp = sample(logits, temperature, top_k, top_p, generator, u)
         out[rows, t], logprobs[rows, t] = tok, out_logp
         done |= torch.isin(tok, eos)
-        n_done = int(done.sum()) if t < max_new_tokens - 1 else len(rows)  # the step's one host sync
-        if n_done == len(rows):
+        n_done = int(done.sum()) if t < max_new_tokens - 1 else n  # the step's one host sync
+        if n_done == n:
             break
-        if not static and n_done >= max(len(rows) // DROP_EVERY, 1):  # drop the finished rows
+        if not static and n_done >= max(n // DROP_EVERY, 1):  # drop the finished rows
             keep = (~done).nonzero()[:, 0]
             dec.keep(keep)
-            rows, done, tok, pos, logits = rows[keep], done[keep], tok[keep], pos[keep], logits[keep]
-        if dec.keys is not None:
-            dec.keys[:, L + t] = True  # from now on every row attends to the slot this token is written to
+            rows = keep if isinstance(rows, slice) else rows[keep]
+            done, tok, pos, logits, n = done[keep], tok[keep], pos[keep], logits[keep], len(keep)
+        dec.open(L + t)  # from now on every row attends to the slot this token is written to
         logits = dec(model, tok.unsqueeze(1), pos + t, slot + t)
 
     out, logprobs = out[:, : t + 1], logprobs[:, : t + 1]

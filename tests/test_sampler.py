@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import sampler
 from model import ModelConfig, Transformer, save_model
 from sampler import generate, sample
 
@@ -152,6 +153,7 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import sampler
 from sampler import generate, sample
 from test_sampler import PROMPTS, tiny_model
 
@@ -200,14 +202,15 @@ def test_generate_under_ddp_and_fsdp2(tmp_path):
 
 
 def decode_modes(model, eos, temperature):
-    """The same sampling call in each decode mode: the growing-slices forward, the static step, compiled."""
+    """The same sampling call in each decode mode: the growing-slices forward, the fused step, the static step,
+    compiled."""
     run = lambda **mode: generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature,
                                   generator=torch.Generator().manual_seed(0), **mode)
-    return run(static=False), run(static=True), run(compile=True)
+    return run(static=False, fused=False), run(fused=True), run(static=True), run(compile=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_static_and_compiled_steps_equal_the_eager_forward(temperature):
+def test_fused_static_and_compiled_steps_equal_the_eager_forward(temperature):
     model = tiny_model(1)
     gen = lambda: torch.Generator().manual_seed(0)
     free = generate(model, PROMPTS, 9, num_samples=3, temperature=temperature, generator=gen()).tokens
@@ -270,3 +273,58 @@ def test_decode_modes_under_bf16_autocast(mode):
         out = generate(model, PROMPTS, 9, num_samples=3, temperature=0, **mode)
     want = generate(model, PROMPTS, 9, num_samples=3, temperature=0)  # fp32
     assert out.logprobs.isfinite().all() and (out.tokens == want.tokens).float().mean() >= 0.9
+
+
+FUSED_CONFIGS = {  # the fused step against the model's forward on each kind of attention it meets
+    "qwen2: q/k/v biases, GQA": dict(model_type="qwen2", hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                     num_key_value_heads=2),
+    "llama: MHA, untied, head_dim 16": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                            num_key_value_heads=4, tie_word_embeddings=False),
+    "llama: 1 kv head for 4, tied": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", FUSED_CONFIGS)
+@pytest.mark.parametrize("G,shared,temperature,top_k,top_p", [(1, False, 1.0, 0, 1.0), (1, False, 0.0, 0, 1.0),
+                                                               (4, True, 1.0, 0, 1.0), (4, False, 0.8, 5, 0.9),
+                                                               (4, True, 0.0, 0, 1.0)])
+def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_p):
+    # sampler.fused_step (the CPU's default) against the model's own forward, itself checked against HF generate
+    # and uncached decoding above: the same tokens, log-probs to float rounding (on x86 with AVX-512 or AVX2 they
+    # are bitwise the same where widths are multiples of 32); ragged prompts, rows stopping at different steps
+    cfg = ModelConfig(vocab_size=V, num_hidden_layers=2, **FUSED_CONFIGS[arch])
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3).add_(p.dim() == 1)
+    run = lambda fused, eos=(): generate(model, PROMPTS * 2, 12, num_samples=G, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, eos_ids=eos, generator=torch.Generator().manual_seed(0),
+                                         shared_prompt=shared, fused=fused)
+    free = run(False).tokens
+    eos = [free[0, 2].item(), free[-1, 0].item()]
+    forward, fused = run(False, eos), run(True, eos)
+    assert torch.equal(fused.tokens, forward.tokens) and torch.equal(fused.mask, forward.mask)
+    assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-5
+    assert len(set(forward.mask.sum(1).tolist())) > 2  # rows stopped at several steps (and left the batch)
+
+
+def test_fused_step_falls_back_to_the_forward(monkeypatch):
+    # where fused_layers returns None, generate(fused=True) decodes with the forward: LoRA, bf16 weights, autocast,
+    # weight copies over FUSED_MAX_BYTES
+    from model import add_lora
+
+    model = tiny_model(1)
+    assert sampler.fused_layers(model) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sampler.fused_layers(model) is None
+    assert sampler.fused_layers(tiny_model(1).to(torch.bfloat16)) is None
+    monkeypatch.setattr(sampler, "FUSED_MAX_BYTES", 1000)
+    assert sampler.fused_layers(model) is None
+    monkeypatch.undo()
+    lora = add_lora(tiny_model(1), rank=2, alpha=4.0)
+    assert sampler.fused_layers(lora) is None
+    run = lambda fused: generate(lora, PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(0),
+                                 fused=fused)
+    assert torch.equal(run(True).tokens, run(False).tokens)

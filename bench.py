@@ -9,7 +9,8 @@ prompts of ~32 tokens (left-padded for HF), fp32, plain sampling at temperature 
 the two sides interleaved so background load hits both alike. Also printed: the decode's achieved GFLOP/s (its
 matmul FLOPs over its time) next to plain torch.matmul on the same shapes, i.e. this machine's ceiling for them.
 Speedups are medians of per-repetition ratios. The last line is machine-readable: the smallest speedup over
-all configs and devices. --compile adds generate(compile=True) timings, reported apart from the summary.
+all configs and devices. Also timed, reported apart: generate(fused=False), each step through the model's forward
+instead of sampler.fused_step; --compile adds generate(compile=True).
 
     python bench.py --vs_trl   # one GRPO step of grpo.py vs TRL's GRPOTrainer, same settings (pip install trl==1.16.0)
 
@@ -23,7 +24,8 @@ of the trained tokens packed without padding (rows as wide as the longest sequen
 group's prompt counts once) plus one forward of the generated tokens, packed the same way. Without TRL
 installed the TRL side is skipped (one line) and the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
-in the decode batch; each row its own copy of its prompt's cache slots) and with the compiled static decode
+in the decode batch; each row its own copy of its prompt's cache slots; the model's forward instead of
+sampler.fused_step for each decode step) and with the compiled static decode
 step (compile=True; its first step compiles, inside the warm-up), and with every fp32 projection on aten's
 kernel instead of oneDNN (model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way
 round), each on its own copy of the model, interleaved with the rest.
@@ -99,8 +101,8 @@ def bench(name, device, reps, compile):
     hf_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW,
                               min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
 
-    def run_ours(n=NEW, compile=False):
-        out = generate(ours, prompts, n, eos_ids=(), generator=g, compile=compile)
+    def run_ours(n=NEW, compile=False, fused=None):
+        out = generate(ours, prompts, n, eos_ids=(), generator=g, compile=compile, fused=fused)
         assert out.tokens.shape == (BATCH, n) and out.mask.all()
 
     def run_hf():
@@ -111,10 +113,11 @@ def bench(name, device, reps, compile):
     run_ours(), run_hf()  # warm-up
     if compile:
         run_ours(compile=True)  # compiles (tens of seconds on CPU)
-    t = {"ours": [], "hf": [], "prefill": [], "compiled": []}
+    t = {"ours": [], "hf": [], "prefill": [], "unfused": [], "compiled": []}
     for _ in range(reps):  # interleaved, so a burst of background load hits both sides
         t["ours"].append(timed(run_ours, device))
         t["hf"].append(timed(run_hf, device))
+        t["unfused"].append(timed(lambda: run_ours(fused=False), device))
         t["prefill"].append(timed(lambda: run_ours(1), device))
         if compile:
             t["compiled"].append(timed(lambda: run_ours(compile=True), device))
@@ -126,6 +129,10 @@ def bench(name, device, reps, compile):
           f"({med['ours']:.2f}s, prefill {med['prefill']:.2f}s), HF generate {BATCH * NEW / med['hf']:,.0f} tok/s "
           f"({med['hf']:.2f}s), speedup {speedup:.2f}x | decode {achieved:.1f} GFLOP/s vs torch.matmul on the same "
           f"shapes {matmul_gflops(cfg, BATCH, device, reps):.1f} GFLOP/s", flush=True)
+    fused = statistics.median(u / o for u, o in zip(t["unfused"], t["ours"]))
+    print(f"{name} {device.type}: ours with fused=False (the model's forward each step) "
+          f"{BATCH * NEW / med['unfused']:,.0f} tok/s ({med['unfused']:.2f}s), {med['hf'] / med['unfused']:.2f}x HF "
+          f"generate; the fused step {fused:.2f}x it (not in the summary)")
     if compile:
         print(f"{name} {device.type}: ours with compile=True {BATCH * NEW / med['compiled']:,.0f} tok/s "
               f"({med['compiled']:.2f}s), {med['hf'] / med['compiled']:.2f}x HF generate (not in the summary)")
@@ -268,6 +275,7 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
                     "without dropping finished rows": (cfg, math.inf, plain, on),
                     "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False},
                                                         on),
+                    "without the fused decode step": (cfg, sampler.DROP_EVERY, plain | {"fused": False}, on),
                     "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True}, on)}
         if model.ONEDNN_AVAILABLE:  # the same step with the other kernel for every large fp32 projection
             other = "without oneDNN projections" if on else "with oneDNN projections (MINIGRPO_ONEDNN=1)"
@@ -346,8 +354,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="--vs_trl: measured steps per side")
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
     p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
-                   "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots; oneDNN "
-                   "projections) and with compile=True, interleaved with the rest")
+                   "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots; the fused "
+                   "decode step; oneDNN projections) and with compile=True, interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:
         return vs_trl(args.steps, args.warmup, args.threads or 2, ablate=args.ablate)

@@ -561,7 +561,9 @@ def logits_chunk_tokens(vocab_size: int) -> int:
 
 def token_logp(hidden, targets, lm_head, temperature):
     """hidden (n, C), targets (n,) -> log p(target) (n,) with grad, entropy (n,) without."""
-    logits = lm_head(hidden).float() / temperature  # (n, V): one chunk's worth only
+    logits = lm_head(hidden).float()  # (n, V): one chunk's worth only
+    if temperature != 1:
+        logits = logits / temperature
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():

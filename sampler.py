@@ -7,10 +7,11 @@
 Prompts are left-padded so every row writes its next token to the same cache slot; per-row RoPE positions
 and a key mask make the padding exactly invisible. On the CPU (shared_prompt) a prompt's G rows attend to its
 slots held once (model.SharedPromptCache), one softmax over them and the row's own new slots; else each row
-holds a copy of them. The decode loop does a fixed number of tensor ops per step
-whatever the batch size, and one host sync ("how many rows are done?"). Finished rows keep decoding (their
-tokens are masked) until they are 1/8 of the rows left; then the growing forward drops them (one copy of the
-cache), so a batch whose rows stop early stops paying for them. The static step keeps every row (fixed shapes).
+holds a copy of them. The decode loop does a fixed number of tensor ops per step whatever the batch size, and one
+host sync ("how many rows are done?"); on the CPU each step is fused_step, the model's forward at one token in
+about half its ops (a small model's decode is their per-call cost). Finished rows keep decoding (their tokens are
+masked) until they are 1/8 of the rows left; then the growing forward drops them (one copy of the cache), so a
+batch whose rows stop early stops paying for them. The static step keeps every row (fixed shapes).
 Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N rows decoded).
 """
 
@@ -204,9 +205,10 @@ def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same value
 
 def fused_step(model, layers, cache, tok, cos, sin, bias):
     """One new token per row: the model's forward at T = 1 (Block, Attention, MLP, RMSNorm, apply_rope,
-    decode_attention: the same operations in the same order, so the same values on this machine's kernels) in
-    about half its tensor ops, where the decode of a small model is their per-call cost: the fused_layers matmuls,
-    RoPE on q and k at once, a key mask kept between steps instead of built, RoPE's tables looked up.
+    decode_attention: the same arithmetic in the same order; on x86 CPUs bitwise the same values wherever the
+    widths are multiples of 32, as in every preset) in about half its tensor ops, where the decode of a small model
+    is their per-call cost: the fused_layers matmuls, RoPE on q and k at once, a key mask kept between steps
+    instead of built, RoPE's tables looked up.
     tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); bias (n, S) fp32, 0 on the
     slots a row attends to (this step's included), -inf elsewhere, for a KVCache; None for a SharedPromptCache.
     -> logits (n, V) fp32."""

@@ -98,10 +98,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
     shared_prompt=True (the growing forward, num_samples > 1): the G rows of a prompt attend to its cache slots
     held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once per step for
-    its G samples. fused=True (the growing step, fp32, no autocast, LoRA or FSDP2): each step runs fused_step, the
-    same arithmetic as the model's forward in about half the tensor ops (fused_layers). None picks the device's
-    default, DEFAULTS (docs/speed.md, "Decoding speed", says how it was chosen). Every mode samples the same
-    tokens; log-probs agree to float rounding."""
+    its G samples. fused=True (the growing step): each step runs fused_step, the same arithmetic as the model's
+    forward in about half the tensor ops, for an fp32 model without LoRA, autocast or FSDP2 (elsewhere the forward
+    runs; fused_layers says where). None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed",
+    says how it was chosen). Every mode samples the same tokens; log-probs agree to float rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config
@@ -198,9 +198,10 @@ def fused_layers(model) -> list[tuple] | None:
     return layers
 
 
-def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same values in fewer ops (mean: sum, divide)
-    # (width, eps: 0-d tensors of x's dtype: a Python number would be converted to one at every call)
-    return w * (x * x.pow(2).sum(-1, keepdim=True).div_(width).add_(eps).rsqrt_())
+def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same values in fewer ops
+    # rsqrt(eps + sum(x^2) / width), the mean's sum and division; width, eps: 0-d tensors of x's dtype (a Python
+    # number would be converted to one at every call)
+    return (x * torch.addcdiv(eps, x.pow(2).sum(-1, keepdim=True), width).rsqrt_()).mul_(w)
 
 
 def fused_step(model, layers, cache, tok, cos, sin, bias):
@@ -260,7 +261,8 @@ class Decoder:
     def fuse(self, layers, rope):  # decode with fused_step: fused_layers' weights, rope = (cos, sin) (positions, 1, D)
         self.layers, self.rope = layers, rope
         if self.keys is not None:  # the key mask, additive: 0 where a row attends
-            self.bias = torch.zeros(self.keys.shape, device=self.keys.device).masked_fill_(~self.keys, float("-inf"))
+            self.bias = torch.zeros(self.keys.shape, dtype=torch.float32, device=self.keys.device).masked_fill_(
+                ~self.keys, float("-inf"))
             self.keys = None
 
     def open(self, slot: int):  # from now on every row attends to this slot

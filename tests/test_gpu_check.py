@@ -24,8 +24,10 @@ def test_gpu_check_tiny(tmp_path):
     sampler = [x for x in rows if x["check"] == "sampler"]
     assert len(sampler) == 4 and all(x["ours_tok_s"] > 0 and x["hf_tok_s"] > 0 for x in sampler)
     decode = {x["mode"]: x for x in rows if x["check"] == "decode"}
-    assert set(decode) == {"growing", "shared_prompt", "static"} and all(x["tok_s"] > 0 for x in decode.values())
-    assert decode["growing"]["tokens_equal"] == 1 and all(0 <= x["tokens_equal"] <= 1 for x in decode.values())
+    assert set(decode) == {"growing", "shared_prompt", "static", "growing fp32", "fused fp32"}
+    assert all(x["tok_s"] > 0 for x in decode.values()) and all(0 <= x["tokens_equal"] <= 1 for x in decode.values())
+    assert decode["growing"]["tokens_equal"] == decode["growing fp32"]["tokens_equal"] == 1
+    assert decode["fused fp32"]["tokens_equal"] == 1  # the fused step: the fp32 forward's tokens
     train = {(x["stage"], x["dist"]): x for x in rows if x["check"] == "train"}
     assert set(train) == {(s, d) for s in ("sft", "grpo") for d in ("none", "fsdp")}
     assert all(x["steps"] == 2 and x["mem_peak_mb"] > 0 for x in train.values())

@@ -206,8 +206,9 @@ def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same value
 
 def fused_step(model, layers, cache, tok, cos, sin, bias):
     """One new token per row: the model's forward at T = 1 (Block, Attention, MLP, RMSNorm, apply_rope,
-    decode_attention: the same arithmetic in the same order; on x86 CPUs bitwise the same values wherever the
-    widths are multiples of 32, as in every preset) in about half its tensor ops, where the decode of a small model
+    decode_attention: the same arithmetic in the same order; with MKL's AVX-512 kernels bitwise the same values
+    where widths are multiples of 32, as in every preset; docs/speed.md) in about half its tensor ops, where the
+    decode of a small model
     is their per-call cost: the fused_layers matmuls, RoPE on q and k at once, a key mask kept between steps
     instead of built, RoPE's tables looked up.
     tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); bias (n, S) fp32, 0 on the

@@ -291,8 +291,9 @@ FUSED_CONFIGS = {  # the fused step against the model's forward on each kind of 
                                                                (4, True, 0.0, 0, 1.0)])
 def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_p):
     # sampler.fused_step (the CPU's default) against the model's own forward, itself checked against HF generate
-    # and uncached decoding above: the same tokens, log-probs to float rounding (on x86 with AVX-512 or AVX2 they
-    # are bitwise the same where widths are multiples of 32); ragged prompts, rows stopping at different steps
+    # and uncached decoding above: the same tokens, log-probs to float rounding (with MKL's AVX-512 kernels
+    # bitwise the same where widths are multiples of 32; docs/speed.md); ragged prompts, rows stopping at different
+    # steps
     cfg = ModelConfig(vocab_size=V, num_hidden_layers=2, **FUSED_CONFIGS[arch])
     torch.manual_seed(0)
     model = Transformer(cfg).eval()

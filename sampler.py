@@ -199,26 +199,23 @@ def fused_layers(model) -> list[tuple] | None:
 
 
 def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same values in fewer ops
-    # rsqrt(eps + sum(x^2) / width), the mean's sum and division; width, eps: 0-d tensors of x's dtype (a Python
-    # number would be converted to one at every call)
+    # rsqrt(eps + sum(x^2) / width): the mean's sum and division; width, eps: 0-d fp32 tensors
     return (x * torch.addcdiv(eps, x.pow(2).sum(-1, keepdim=True), width).rsqrt_()).mul_(w)
 
 
-def fused_step(model, layers, cache, tok, cos, sin, bias):
+def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
     """One new token per row: the model's forward at T = 1 (Block, Attention, MLP, RMSNorm, apply_rope,
     decode_attention: the same arithmetic in the same order; with MKL's AVX-512 kernels bitwise the same values
     where widths are multiples of 32, as in every preset; docs/speed.md) in about half its tensor ops, where the
-    decode of a small model
-    is their per-call cost: the fused_layers matmuls, RoPE on q and k at once, a key mask kept between steps
-    instead of built, RoPE's tables looked up.
-    tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); bias (n, S) fp32, 0 on the
-    slots a row attends to (this step's included), -inf elsewhere, for a KVCache; None for a SharedPromptCache.
-    -> logits (n, V) fp32."""
+    decode of a small model is their per-call cost: the fused_layers matmuls, RoPE on q and k at once, a key mask
+    kept between steps instead of built, RoPE's tables looked up.
+    tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); norm: RMSNorm's (width, eps)
+    as 0-d fp32 tensors; bias (n, S) fp32, 0 on the slots a row attends to (this step's included), -inf elsewhere,
+    for a KVCache; None for a SharedPromptCache. -> logits (n, V) fp32."""
     cfg = model.config
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     n, t = len(tok), cache.length + 1
     x = model.embed_tokens.weight[tok]  # (n, C)
-    norm = x.new_tensor(float(cfg.hidden_size)), x.new_tensor(cfg.rms_norm_eps)
     for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(layers):
         qkv = linear(_rms_norm(x, w_in, *norm), w_qkv, b_qkv)  # (n, (H + 2 Hkv) D)
         qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
@@ -259,8 +256,12 @@ class Decoder:
         self.static, self.cuda_graph, self.graph = static, cuda_graph, None
         self.layers = self.bias = None
 
-    def fuse(self, layers, rope):  # decode with fused_step: fused_layers' weights, rope = (cos, sin) (positions, 1, D)
+    def fuse(self, model, layers, rope):
+        """Decode with fused_step from now on: fused_layers' weights, rope = (cos, sin) (positions, 1, D), and
+        RMSNorm's width and eps as 0-d fp32 tensors made once (a Python number becomes one at every call)."""
         self.layers, self.rope = layers, rope
+        self.norm = tuple(torch.tensor(float(v), dtype=torch.float32, device=rope[0].device)
+                          for v in (model.config.hidden_size, model.config.rms_norm_eps))
         if self.keys is not None:  # the key mask, additive: 0 where a row attends
             self.bias = torch.zeros(self.keys.shape, dtype=torch.float32, device=self.keys.device).masked_fill_(
                 ~self.keys, float("-inf"))
@@ -282,7 +283,8 @@ class Decoder:
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
         if self.layers is not None:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
             p = pos[:, 0]
-            return fused_step(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p], self.bias)
+            return fused_step(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p], self.norm,
+                              self.bias)
         if not self.static:  # the same, through the model's forward
             return model(tok, cache=self.cache, input_pos=pos, attn_mask=self.keys, last_only=True)[:, -1]
         if not self.cuda_graph:
@@ -348,7 +350,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1) position of the first new token
     if layers is not None:  # RoPE's tables for every position a new token can take: (positions, 1, D) each
         at = torch.arange(int(pos.max()) + max_new_tokens, device=device)[:, None]
-        dec.fuse(layers, [x[:, 0] for x in rope_cos_sin(model.inv_freq, at, dtype)])
+        dec.fuse(model, layers, [x[:, 0] for x in rope_cos_sin(model.inv_freq, at, dtype)])
     slot = torch.tensor([L], device=device)  # (1,) the cache slot of the first new token
     logits = logits.repeat_interleave(G, 0)  # (N, V)
 

@@ -381,9 +381,6 @@ def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[in
             prompt_of)
 
 
-SHARE_WIDTH = 4  # --share_prompt: packed rows up to this many times the longest sequence (docs/speed.md)
-
-
 def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[int], pack: bool,
                 share: bool = False) -> dict:
     """The forward's input for training rows `rows` of training_batch's (inputs, targets, pos, prompt_of):
@@ -391,10 +388,11 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     sequences packed into as few rows of W tokens as fit (common.pack_rows), each attending only to
     itself (segments), its RoPE positions restarting at 0. share (with pack): the rows of one prompt
     hold it once: its tokens but the last as a segment of their own, then each row's last prompt
-    token and completion attending to it and to itself (prefix), in rows up to SHARE_WIDTH x W wide,
-    where that packs fewer tokens. -> model.forward's keyword arguments: tokens (R, W'), targets
-    (R, W'), target_pos (n, Tc) flat indices of the completion tokens' predictions (padding clamped
-    to the sequence's last), and input_pos, segments (and prefix) (R, W') if packed."""
+    token and completion attending to it and to itself (prefix), all in one row (attention runs
+    segment by segment: model.packed_attention), where that packs fewer tokens. -> model.forward's
+    keyword arguments: tokens (R, W'), targets (R, W'), target_pos (n, Tc) flat indices of the
+    completion tokens' predictions (padding clamped to the sequence's last), and input_pos, segments
+    (and prefix) (R, W') if packed."""
     device, n = inputs.device, len(rows)
     W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
     ix = torch.tensor(rows, device=device)
@@ -404,26 +402,14 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     width = lambda u: u[0][1] + sum(seq_len[rows[j]] - s for j, s in u)  # a unit's tokens
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
     if pack and share:
-        groups = {}  # first row of the prompt -> its rows here, longest first
-        for j in sorted(range(n), key=lambda j: -seq_len[rows[j]]):
+        groups = {}  # first row of the prompt -> its rows here
+        for j in range(n):
             groups.setdefault(prompt_of[rows[j]][0], []).append(j)
-        cand, cap = [], SHARE_WIDTH * W
-        for members in groups.values():
-            s, used = prompt_of[rows[members[0]]][1] - 1, cap  # the prompt's tokens but its last
-            for j in members:
-                own = seq_len[rows[j]] - s
-                if used + own > cap:  # a new unit (a unit is at least one whole sequence)
-                    cand.append([])
-                    used = s
-                cand[-1].append((j, s))
-                used += own
-        cand = [u if len(u) > 1 else [(u[0][0], 0)] for u in cand]  # alone: a plain sequence
-        size = [width(u) for u in cand]
-        cand_bins = pack_rows(size, max(size))
-        # within the micro-batch's budget (rows x its longest) and fewer tokens than without: then shared
-        if len(cand_bins) * max(size) < len(bins) * W:
-            units, bins = cand, cand_bins
-    Wr = max(map(width, units))  # the rows' width
+        cand = [[(j, prompt_of[rows[g[0]]][1] - 1) for j in g] if len(g) > 1 else [(g[0], 0)]
+                for g in groups.values()]
+        if sum(map(width, cand)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
+            units, bins = cand, [list(range(len(cand)))]
+    Wr = max(sum(width(units[m]) for m in b) for b in bins) if bins else W  # the rows' width
     if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
         return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}

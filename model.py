@@ -21,6 +21,7 @@ import string
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as tdist
@@ -300,6 +301,37 @@ class SharedPromptCache:
         return y.reshape(n, 1, H * D)
 
 
+class Packed(NamedTuple):  # packed_attention's index maps: n segments, padded to Lq queries and Lk keys
+    q: torch.Tensor  # (n, Lq) long: a segment's positions, flat (row * T + column); padding repeats its last
+    k: torch.Tensor  # (n, Lk) long: those of its keys, its prompt's then its own
+    bias: torch.Tensor  # (n, 1, Lq, Lk) additive mask: 0 where a query attends, -inf elsewhere
+    inv: torch.Tensor  # (B T,) long: each position's flat index in (n, Lq); 0 for padding
+
+
+def packed_attention(segments, prefix, dtype) -> Packed:
+    """Attention over packed rows segment by segment instead of over whole rows (whose masked pairs grow with the
+    square of the width): each segment's queries against its prompt's keys, then its own, causally.
+    segments, prefix (B, T) long as model.forward's, with a segment's id the flat index (row * T + column) of
+    its first position (so an id says where it starts) and its positions contiguous; -1: padding."""
+    seg, pre = segments.flatten(), prefix.flatten()  # (B T,)
+    device, real = seg.device, seg >= 0
+    starts, lens = torch.unique(seg[real], return_counts=True)  # (n,) each, in flat order
+    length = torch.zeros_like(seg).index_put_((starts,), lens)  # (B T,) each segment's length at its id
+    p0 = pre[starts]  # (n,) each segment's prompt: itself where it has none
+    pl = torch.where(p0 == starts, 0, length[p0])  # (n,) its prompt's length
+    Lq, Lk = (int(x) for x in torch.stack([lens.max(), (lens + pl).max()]).tolist())  # one host sync
+    i, j = torch.arange(Lq, device=device), torch.arange(Lk, device=device)
+    last = (starts + lens - 1)[:, None]  # (n, 1)
+    q = torch.minimum(starts[:, None] + i, last)  # (n, Lq)
+    own = j - pl[:, None]  # (n, Lk) key j's column in its segment; < 0: in the prompt
+    k = torch.where(own < 0, p0[:, None] + j, torch.minimum(starts[:, None] + own, last))  # (n, Lk)
+    keep = (own[:, None, :] < 0) | (own[:, None, :] <= i[:, None])  # (n, Lq, Lk): the prompt, then causal
+    bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None]
+    flat = torch.arange(len(seg), device=device)
+    u = (torch.searchsorted(starts, flat, right=True) - 1).clamp(min=0)  # (B T,) each position's segment
+    return Packed(q, k, bias, torch.where(real, u * Lq + flat - starts[u], 0))
+
+
 def decode_attention(q, k, v, mask):
     """One query step as two batched matmuls (on the CPU ~2x faster than its SDPA kernel at decode shapes; the
     softmax in fp32, as SDPA's). q (B, Hkv, g, D), k, v (B, Hkv, S, D), mask (B, 1, 1, S) additive or None
@@ -406,6 +438,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if isinstance(cache, SharedPromptCache):  # the sampler's decode step: G rows share each prompt's slots
             return self.o_proj(cache.attend(layer, q, k, v))
+        if isinstance(mask, Packed):  # segment by segment (packed_attention), each padded to the longest
+            seg = lambda x, at: x.reshape(B * T, -1, self.head_dim).index_select(0, at.flatten()).unflatten(
+                0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
+            y = F.scaled_dot_product_attention(seg(q, mask.q), seg(k, mask.k), seg(v, mask.k), attn_mask=mask.bias,
+                                               enable_gqa=True)  # (n, H, Lq, D)
+            y = y.transpose(1, 2).flatten(0, 1).index_select(0, mask.inv)  # (B T, H, D): back to the rows
+            return self.o_proj(y.view(B, T, -1))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D), S = slots filled so far
         else:
@@ -599,7 +638,8 @@ class Transformer(nn.Module):
         shape each (the lm_head runs on them alone). segments (B, T) long, no cache: several sequences packed in
         a row, each position attending causally within its own segment (give input_pos restarting at 0 for each);
         prefix (B, T) long, with segments: the segment each position also attends to, a prompt that several packed
-        sequences share (placed before them; its own segment where none).
+        sequences share (its own segment where none); then a segment's id must be the flat index (row * T + column)
+        of its first position (packed_attention: attention segment by segment, so rows may be of any width).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -612,12 +652,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
         mask = None  # plain causal attention (or none at all for a single query)
-        if segments is not None:  # packed sequences: causal within each segment (and its shared prompt)
+        if prefix is not None:  # shared prompts: attention segment by segment, not over the (wide) rows
+            mask = packed_attention(segments, prefix, x.dtype)
+        elif segments is not None:  # packed sequences: causal within each segment
             causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            keep = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
-            if prefix is not None:
-                keep |= prefix[:, :, None] == segments[:, None, :]
-            keep &= causal
+            keep = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, T, T)
             mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)[:, None]  # (B, 1, T, T)
         elif attn_mask is not None or (start > 0 and T > 1):
             q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)

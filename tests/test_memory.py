@@ -212,9 +212,10 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path, grouped):
     if not grouped:  # seq_len 10, 12, 17, 7, 9, 6: the 5 rows that train packed into 4 rows of 17 tokens:
         # [17], [12], [10, 6], [9]
         assert grpo.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
-    else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared: [3 + 7 + 2 + 12 = 24], [10 + 5 + 9 = 24], [3, 4]
+    else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared, all in one row: [3 + 7 + 2 + 12 = 24, 10 + 5 + 9 = 24,
+        # 3, 4] (the single-token prompt shares nothing)
         mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)
-        assert mb["tokens"].shape == (3, 24) and "prefix" in mb
+        assert mb["tokens"].shape == (1, 55) and "prefix" in mb
     grads = []
     # one batch, padded or packed (--pack: sequences share rows; --share_prompt: a group's rows their prompt);
     # token budgets (and a row cap) splitting it

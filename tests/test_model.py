@@ -109,6 +109,31 @@ def test_padded_rows_and_positions_match_unpadded(tmp_path):
         assert out.isfinite().all()  # padding queries attend to themselves, no NaN
 
 
+def test_shared_prompt_rows_match_each_sequence_alone(tmp_path):
+    """Packed rows with a shared prompt (segments + prefix: model.packed_attention, attention segment by segment)
+    against HF's forward of each whole sequence alone: a prompt held once with three continuations, one of them in
+    the other row, and a sequence of its own. GQA with q/k/v biases."""
+    hf = hf_model("qwen2-gqa-untied-bias")
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    t = tokens(1, 24, seed=3)[0].tolist()
+    prompt, a, b, c, d = t[:5], t[5:8], t[8:13], t[13:20], t[20:22]  # prompt: 4 shared tokens + its last
+    row0 = prompt[:4] + [prompt[4]] + a + [prompt[4]] + b + [0, 0]  # ids 0 (prompt), 4 (a), 8 (b); padding
+    row1 = c + [prompt[4]] + d + [0] * 6  # ids 16 (c alone), 23 (d, whose prompt is in row 0); padding
+    seg = [[0] * 4 + [4] * 4 + [8] * 6 + [-1] * 2, [16] * 7 + [23] * 3 + [-1] * 6]
+    pre = [[0] * 14 + [-1] * 2, [16] * 7 + [0] * 3 + [-1] * 6]
+    pos = [[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 0, 0], [0, 1, 2, 3, 4, 5, 6, 4, 5, 6] + [0] * 6]
+    T = lambda x: torch.tensor(x)
+    with torch.no_grad():
+        out = ours(T([row0, row1]), input_pos=T(pos), segments=T(seg), prefix=T(pre))  # (2, 16, V)
+        alone = lambda x: hf(T([x])).logits[0]
+        want = [(out[0, :8], alone(prompt + a)), (out[0, 8:14], alone(prompt + b)[4:]), (out[1, :7], alone(c)),
+                (out[1, 7:10], alone(prompt + d)[4:])]
+        for got, ref in want:
+            assert (got - ref).abs().max() <= 1e-4
+        assert out.isfinite().all()  # padding positions too
+
+
 def test_both_config_layouts(tmp_path):
     hf = hf_model("llama-gqa-llama3rope-untied")
     hf.save_pretrained(tmp_path)

@@ -401,6 +401,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     units = [[(j, 0)] for j in range(n)]
     width = lambda u: u[0][1] + sum(seq_len[rows[j]] - s for j, s in u)  # a unit's tokens
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
+    one_row = False  # all units in one row: attention segment by segment (prefix), whatever is shared
     if pack and share:
         groups = {}  # first row of the prompt -> its rows here
         for j in range(n):
@@ -408,7 +409,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
         cand = [[(j, prompt_of[rows[g[0]]][1] - 1) for j in g] if len(g) > 1 else [(g[0], 0)]
                 for g in groups.values()]
         if sum(map(width, cand)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
-            units, bins = cand, [list(range(len(cand)))]
+            units, bins, one_row = cand, [list(range(len(cand)))], True
     Wr = max(sum(width(units[m]) for m in b) for b in bins) if bins else W  # the rows' width
     if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
@@ -448,7 +449,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     out = {"tokens": tokens.view(-1, Wr), "targets": tgt.view(-1, Wr), "target_pos": flat,
            "input_pos": torch.tensor(at, device=device).view(-1, Wr),
            "segments": torch.tensor(seg, device=device).view(-1, Wr)}
-    if any(s for u in units for _, s in u):
+    if one_row:  # (a dense mask over one row of them all would grow with its square)
         out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
     return out
 

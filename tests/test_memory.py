@@ -212,6 +212,10 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path, grouped):
     if not grouped:  # seq_len 10, 12, 17, 7, 9, 6: the 5 rows that train packed into 4 rows of 17 tokens:
         # [17], [12], [10, 6], [9]
         assert grpo.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
+        # --share_prompt with no prompt shared: still one row of them all (54 < 4 x 17 tokens), attended segment by
+        # segment (prefix: model.packed_attention), not through a dense mask over the whole row
+        mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)
+        assert mb["tokens"].shape == (1, 54) and "prefix" in mb
     else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared, all in one row: [3 + 7 + 2 + 12 = 24, 10 + 5 + 9 = 24,
         # 3, 4] (the single-token prompt shares nothing)
         mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)

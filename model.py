@@ -301,35 +301,45 @@ class SharedPromptCache:
         return y.reshape(n, 1, H * D)
 
 
-class Packed(NamedTuple):  # packed_attention's index maps: n segments, padded to Lq queries and Lk keys
-    q: torch.Tensor  # (n, Lq) long: a segment's positions, flat (row * T + column); padding repeats its last
-    k: torch.Tensor  # (n, Lk) long: those of its keys, its prompt's then its own
-    bias: torch.Tensor  # (n, 1, Lq, Lk) additive mask: 0 where a query attends, -inf elsewhere
-    inv: torch.Tensor  # (B T,) long: each position's flat index in (n, Lq); 0 for padding
+class Packed(NamedTuple):  # packed_attention's index maps
+    own: tuple  # segments without a prompt: (q (n, L) flat positions, padding repeating the last), causal
+    shared: tuple | None  # segments with one: (q (m, Lq), k (m, Lk) the prompt's then their own, bias (m, 1, Lq, Lk))
+    inv: torch.Tensor  # (B T,) each position's index in the two's outputs, (n L + m Lq); 0 for padding
 
 
 def packed_attention(segments, prefix, dtype) -> Packed:
     """Attention over packed rows segment by segment instead of over whole rows (whose masked pairs grow with the
-    square of the width): each segment's queries against its prompt's keys, then its own, causally.
-    segments, prefix (B, T) long as model.forward's, with a segment's id the flat index (row * T + column) of
-    its first position (so an id says where it starts) and its positions contiguous; -1: padding."""
+    square of the width), each segment an SDPA batch entry: segments without a prompt (the prompts themselves,
+    sequences alone) causal within themselves; segments with one, their queries against its keys, then their own.
+    Two batches, so a long prompt does not pad its short continuations. segments, prefix (B, T) long as
+    model.forward's, a segment's id the flat index (row * T + column) of its first position, its positions
+    contiguous; -1: padding."""
     seg, pre = segments.flatten(), prefix.flatten()  # (B T,)
     device, real = seg.device, seg >= 0
-    starts, lens = torch.unique(seg[real], return_counts=True)  # (n,) each, in flat order
+    starts, lens = torch.unique(seg[real], return_counts=True)  # (S,) each, in flat order
     length = torch.zeros_like(seg).index_put_((starts,), lens)  # (B T,) each segment's length at its id
-    p0 = pre[starts]  # (n,) each segment's prompt: itself where it has none
-    pl = torch.where(p0 == starts, 0, length[p0])  # (n,) its prompt's length
-    Lq, Lk = (int(x) for x in torch.stack([lens.max(), (lens + pl).max()]).tolist())  # one host sync
-    i, j = torch.arange(Lq, device=device), torch.arange(Lk, device=device)
-    last = (starts + lens - 1)[:, None]  # (n, 1)
-    q = torch.minimum(starts[:, None] + i, last)  # (n, Lq)
-    own = j - pl[:, None]  # (n, Lk) key j's column in its segment; < 0: in the prompt
-    k = torch.where(own < 0, p0[:, None] + j, torch.minimum(starts[:, None] + own, last))  # (n, Lk)
-    keep = (own[:, None, :] < 0) | (own[:, None, :] <= i[:, None])  # (n, Lq, Lk): the prompt, then causal
-    bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None]
+    p0 = pre[starts]  # (S,) each segment's prompt: itself where it has none
+    pl = torch.where(p0 == starts, 0, length[p0])  # (S,) its prompt's length
+    has = pl > 0
+    n, L, Lq, Lk = torch.stack([(~has).sum(), torch.where(has, 0, lens).max(), torch.where(has, lens, 0).max(),
+                                torch.where(has, lens + pl, 0).max()]).tolist()  # one host sync
+    last = starts + lens - 1  # (S,)
+    i, j = torch.arange(max(L, Lq), device=device), torch.arange(Lk, device=device)
+    a, b = (~has).nonzero()[:, 0], has.nonzero()[:, 0]  # (n,), (m,) which segments
+    own = (torch.minimum(starts[a, None] + i[:L], last[a, None]),)  # (n, L)
+    shared = None
+    if len(b):
+        col = j - pl[b, None]  # (m, Lk) key j's column in its segment; < 0: in the prompt
+        k = torch.where(col < 0, p0[b, None] + j, torch.minimum(starts[b, None] + col, last[b, None]))  # (m, Lk)
+        keep = (col[:, None, :] < 0) | (col[:, None, :] <= i[:Lq, None])  # (m, Lq, Lk): the prompt, then causal
+        bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None]
+        shared = (torch.minimum(starts[b, None] + i[:Lq], last[b, None]), k, bias)
+    # each segment's first output row: its group's block, then its place in the group
+    rank = torch.empty_like(starts)
+    rank[a], rank[b] = torch.arange(len(a), device=device) * L, n * L + torch.arange(len(b), device=device) * Lq
     flat = torch.arange(len(seg), device=device)
     u = (torch.searchsorted(starts, flat, right=True) - 1).clamp(min=0)  # (B T,) each position's segment
-    return Packed(q, k, bias, torch.where(real, u * Lq + flat - starts[u], 0))
+    return Packed(own, shared, torch.where(real, rank[u] + flat - starts[u], 0))
 
 
 def decode_attention(q, k, v, mask):
@@ -438,12 +448,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if isinstance(cache, SharedPromptCache):  # the sampler's decode step: G rows share each prompt's slots
             return self.o_proj(cache.attend(layer, q, k, v))
-        if isinstance(mask, Packed):  # segment by segment (packed_attention), each padded to the longest
+        if isinstance(mask, Packed):  # segment by segment (packed_attention), each padded to its batch's longest
             seg = lambda x, at: x.reshape(B * T, -1, self.head_dim).index_select(0, at.flatten()).unflatten(
                 0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
-            y = F.scaled_dot_product_attention(seg(q, mask.q), seg(k, mask.k), seg(v, mask.k), attn_mask=mask.bias,
-                                               enable_gqa=True)  # (n, H, Lq, D)
-            y = y.transpose(1, 2).flatten(0, 1).index_select(0, mask.inv)  # (B T, H, D): back to the rows
+            at = mask.own[0]
+            ys = [F.scaled_dot_product_attention(seg(q, at), seg(k, at), seg(v, at), is_causal=True, enable_gqa=True)]
+            if mask.shared is not None:
+                at, keys, bias = mask.shared
+                ys.append(F.scaled_dot_product_attention(seg(q, at), seg(k, keys), seg(v, keys), attn_mask=bias,
+                                                         enable_gqa=True))  # (m, H, Lq, D)
+            y = torch.cat([y.transpose(1, 2).flatten(0, 1) for y in ys]).index_select(0, mask.inv)  # (B T, H, D)
             return self.o_proj(y.view(B, T, -1))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, D), S = slots filled so far

@@ -302,7 +302,7 @@ class SharedPromptCache:
 
 
 class Packed(NamedTuple):  # packed_attention's index maps
-    own: tuple  # segments without a prompt: (q (n, L) flat positions, padding repeating the last), causal
+    own: torch.Tensor  # (n, L) flat positions of the segments without a prompt (padding: the last), causal
     shared: tuple | None  # segments with one: (q (m, Lq), k (m, Lk) the prompt's then their own, bias (m, 1, Lq, Lk))
     inv: torch.Tensor  # (B T,) each position's index in the two's outputs, (n L + m Lq); 0 for padding
 
@@ -326,7 +326,7 @@ def packed_attention(segments, prefix, dtype) -> Packed:
     last = starts + lens - 1  # (S,)
     i, j = torch.arange(max(L, Lq), device=device), torch.arange(Lk, device=device)
     a, b = (~has).nonzero()[:, 0], has.nonzero()[:, 0]  # (n,), (m,) which segments
-    own = (torch.minimum(starts[a, None] + i[:L], last[a, None]),)  # (n, L)
+    own = torch.minimum(starts[a, None] + i[:L], last[a, None])  # (n, L)
     shared = None
     if len(b):
         col = j - pl[b, None]  # (m, Lk) key j's column in its segment; < 0: in the prompt
@@ -451,7 +451,7 @@ class Attention(nn.Module):
         if isinstance(mask, Packed):  # segment by segment (packed_attention), each padded to its batch's longest
             seg = lambda x, at: x.reshape(B * T, -1, self.head_dim).index_select(0, at.flatten()).unflatten(
                 0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
-            at = mask.own[0]
+            at = mask.own
             ys = [F.scaled_dot_product_attention(seg(q, at), seg(k, at), seg(v, at), is_causal=True, enable_gqa=True)]
             if mask.shared is not None:
                 at, keys, bias = mask.shared

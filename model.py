@@ -225,6 +225,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def keep_rows(x, rows, length: int):
+    """x (layers, batch, kv_heads, slots, D) a cache, rows (n,) long the batch rows to keep, in this order -> x's
+    first n rows holding them (their first `length` slots; a view). In place, copying only the rows that move
+    (sampler's order moves few): a new cache-sized tensor would cost its page faults on the CPU (~17 ms for the
+    --vs_trl sampler's 30 MB, 4% of a rollout)."""
+    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()[:, 0]  # (m,)
+    x[:, moved, :, :length] = x[:, rows[moved], :, :length]  # (the source is read whole before it is written)
+    return x[:, : len(rows)]
+
+
 class KVCache:
     """Preallocated keys and values, written by slot. k, v: (layers, batch, kv_heads, max_len, head_dim), head-major:
     a row's slots for one head are contiguous, so attention reads them without a copy."""
@@ -239,8 +249,8 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # slots filled; a forward writes the next T slots, then advances it
 
-    def keep_rows(self, rows):  # rows (n,) long: the batch rows to keep (a copy of the cache)
-        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+    def keep_rows(self, rows):  # rows (n,) long: the batch rows to keep, in this order (in place)
+        self.k, self.v = keep_rows(self.k, rows, self.length), keep_rows(self.v, rows, self.length)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, kv_heads, length + T, D)
@@ -268,8 +278,8 @@ class SharedPromptCache:
         self.G, self.max_len, self.length = G, max_len, 0
         self.rows = torch.arange(P * G, device=real.device)
 
-    def keep_rows(self, rows):  # rows (n,) long, indices into the rows left: keep these (a copy of their slots)
-        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+    def keep_rows(self, rows):  # rows (n,) long, indices into the rows left: keep these, in this order (in place)
+        self.k, self.v = keep_rows(self.k, rows, self.length), keep_rows(self.v, rows, self.length)
         self.rows = self.rows[rows]
 
     def _to_grid(self, x):  # (n, Hkv, g, X) -> (P, Hkv, G * g, X); rows that have left are zero (and unread)
@@ -413,16 +423,26 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def linear(x, w, b=None):
+def linear(x, w, b=None, packed=None):
     """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
-    -> (..., out)."""
+    -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients)."""
     if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
             or x.numel() * w.shape[0] < ONEDNN_MIN_MACS or isinstance(w, DTensor)
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _OneDNNLinear.apply(x, w, b)
-    return _onednn(x, w, b)
+    return _onednn(x, w if packed is None else packed, b)
+
+
+def onednn_packed(w, rows: int):
+    """w (out, in) -> a copy in oneDNN's blocked layout for calls of about `rows` rows, or None where linear()
+    would not run oneDNN for that many. oneDNN otherwise reorders w at every call: at the sampler's 64-row decode
+    of a 256-wide model that is 10-30% of a projection (docs/speed.md); the products are bitwise the same."""
+    if (not ONEDNN or rows < 1 or w.device.type != "cpu" or w.dtype != torch.float32 or isinstance(w, DTensor)
+            or rows * w.numel() < ONEDNN_MIN_MACS):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
 
 class Linear(nn.Linear):

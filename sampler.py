@@ -10,9 +10,10 @@ slots held once (model.SharedPromptCache), one softmax over them and the row's o
 holds a copy of them. The decode loop does a fixed number of tensor ops per step whatever the batch size, and one
 host sync ("how many rows are done?"); on the CPU each step is fused_step, the model's forward at one token in
 about half its ops (a small model's decode is their per-call cost). Finished rows keep decoding (their tokens are
-masked) until they are 1/8 of the rows left; then the growing forward drops them (one copy of the cache), so a
-batch whose rows stop early stops paying for them. The static step keeps every row (fixed shapes).
-Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N rows decoded).
+masked) until they are 1/8 of the rows left; then the growing forward drops them (the last rows move into their
+places, in the cache itself), so a batch whose rows stop early stops paying for them. The static step keeps every
+row (fixed shapes). Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N
+rows decoded). Where oneDNN runs the projections (model.ONEDNN), the step reads weights packed once per call.
 """
 
 import weakref
@@ -25,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from model import KVCache, SharedPromptCache, decode_attention, linear, rope_cos_sin
+from model import KVCache, SharedPromptCache, decode_attention, linear, onednn_packed, rope_cos_sin
 
 
 @dataclass
@@ -130,7 +131,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
-        layers = fused_layers(model) if fused and not static and not sharded else None
+        N = len(prompts) * num_samples
+        layers = fused_layers(model, N) if fused and not static and not sharded else None
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
                          generator, noise, static, compile, cuda_graph, shared_prompt, layers)
 
@@ -139,7 +141,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
 # measured yet, so off there too
 DEFAULTS = {"cpu": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": True, "fused": True},
             "cuda": {"static": False, "compile": False, "cuda_graph": False, "shared_prompt": False, "fused": False}}
-DROP_EVERY = 8  # the growing forward drops the finished rows once they are 1/8 of the rows left (a cache copy)
+DROP_EVERY = 8  # the growing forward drops the finished rows once they are 1/8 of the rows left
 SLOT_BUCKET = 32  # the cache length is rounded up to a multiple of this: fewer distinct shapes to compile / capture
 
 
@@ -174,12 +176,12 @@ class _SlotWriter:
 FUSED_MAX_BYTES = 2**28  # fused_layers' weight copies stay under this (256 MiB), else the model's forward decodes
 
 
-def fused_layers(model) -> list[tuple] | None:
+def fused_layers(model, rows: int = 0) -> list[tuple] | None:
     """fused_step's weights, per layer: (input norm, q/k/v stacked (out, in), their biases stacked or None, o_proj,
-    post-attention norm, gate/up stacked (2 I, in), down_proj). Copies, made once per generate call: one matmul
-    where the model runs three, one where it runs two. None where the step does not apply: LoRA adapters, weights
-    other than fp32, autocast, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves
-    nothing)."""
+    post-attention norm, gate/up stacked (2 I, in), down_proj), each projection a pair (weight, its
+    model.onednn_packed copy for `rows` rows or None). Copies, made once per generate call: one matmul where the
+    model runs three, one where it runs two. None where the step does not apply: LoRA adapters, weights other than
+    fp32, autocast, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves nothing)."""
     w = model.embed_tokens.weight
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
@@ -187,14 +189,14 @@ def fused_layers(model) -> list[tuple] | None:
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
         return None
-    layers = []
+    layers, pair = [], lambda w: (w, onednn_packed(w, rows))
     for b in model.layers:
         a, m = b.self_attn, b.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)
         bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
         gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 I, C)
-        layers.append((b.input_layernorm.weight, qkv, bias, a.o_proj.weight, b.post_attention_layernorm.weight,
-                       gate_up, m.down_proj.weight))
+        layers.append((b.input_layernorm.weight, pair(qkv), bias, pair(a.o_proj.weight),
+                       b.post_attention_layernorm.weight, pair(gate_up), pair(m.down_proj.weight)))
     return layers
 
 
@@ -217,7 +219,7 @@ def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
     n, t = len(tok), cache.length + 1
     x = model.embed_tokens.weight[tok]  # (n, C)
     for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(layers):
-        qkv = linear(_rms_norm(x, w_in, *norm), w_qkv, b_qkv)  # (n, (H + 2 Hkv) D)
+        qkv = linear(_rms_norm(x, w_in, *norm), w_qkv[0], b_qkv, w_qkv[1])  # (n, (H + 2 Hkv) D)
         qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
         qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # apply_rope, q and k at once
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].view(n, Hkv, D)
@@ -228,10 +230,10 @@ def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
             keys[:, :, t - 1], values[:, :, t - 1] = k, v
             y = decode_attention(q.reshape(n, Hkv, H // Hkv, D), keys[:, :, :t], values[:, :, :t],
                                  bias[:, None, None, :t]).view(n, H * D)
-        x = x + linear(y, w_o)
-        gate_up = linear(_rms_norm(x, w_post, *norm), w_gate_up)  # (n, 2 I)
+        x = x + linear(y, w_o[0], None, w_o[1])
+        gate_up = linear(_rms_norm(x, w_post, *norm), w_gate_up[0], None, w_gate_up[1])  # (n, 2 I)
         I = gate_up.shape[1] // 2
-        x = x + linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w_down)
+        x = x + linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w_down[0], None, w_down[1])
     cache.length = t
     return linear(_rms_norm(x, model.norm.weight, *norm), model.lm_head.weight)
 
@@ -320,6 +322,15 @@ def decoder(model, N, S, device, dtype, static, compile, cuda_graph) -> Decoder:
     return found[1]
 
 
+def kept_order(done):
+    """done (n,) bool -> the rows not done (m,) long, in the order that moves the fewest: each stays in its place
+    but the last ones, which fill the places of finished rows before them (the caches move rows in place)."""
+    live = (~done).nonzero()[:, 0]  # (m,) ascending
+    keep = torch.arange(len(live), device=done.device)
+    keep[done[: len(live)]] = live[live >= len(live)]  # as many finished places before m as live rows after it
+    return keep
+
+
 def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_ids, pad_id, generator, noise,
               static, compile, cuda_graph, shared_prompt, layers):
     cfg, weight = model.config, model.embed_tokens.weight  # (unsharded here) the device and compute dtype
@@ -372,7 +383,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
         if n_done == n:
             break
         if not static and n_done >= max(n // DROP_EVERY, 1):  # drop the finished rows
-            keep = (~done).nonzero()[:, 0]
+            keep = kept_order(done)
             dec.keep(keep)
             rows = keep if isinstance(rows, slice) else rows[keep]
             done, tok, pos, logits, n = done[keep], tok[keep], pos[keep], logits[keep], len(keep)

@@ -298,8 +298,42 @@ def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
         assert a.dtype == torch.float32 and a.shape == r.shape and (a - r).abs().max() < 1e-4 * max(1, rows / 10)
     with torch.no_grad():
         assert (M.linear(x, w, b) - ref).abs().max() < 1e-5  # the no-grad call (decode, eval)
+        packed = M.onednn_packed(w.detach(), rows)  # the sampler's weights in oneDNN's own layout
+        assert (packed is not None) == (M.ONEDNN and x.numel() * len(w) >= M.ONEDNN_MIN_MACS)
+        if packed is not None:  # the same kernel without its per-call reorder of w: the same bits
+            assert torch.equal(M.linear(x, w, b, packed), M.linear(x, w, b))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its bf16 matmul
         assert M.linear(x, w, b).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("order", ["ascending", "sampler", "shuffled"])
+def test_keep_rows_in_place_equals_a_gather(order):
+    """KVCache / SharedPromptCache.keep_rows move the kept rows into the buffer's first rows in place (no new
+    cache-sized tensor): against index_select on a copy, for the sampler's order (few rows move), the plain
+    ascending one (most move, sources overlapping destinations) and a shuffle."""
+    import sampler
+
+    cfg = ModelConfig(vocab_size=20, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=3, intermediate_size=40)
+    g = torch.Generator().manual_seed(0)
+    done = torch.rand(16, generator=g) < 0.4  # (16,) rows that finished, some in the first places
+    live = (~done).nonzero()[:, 0]
+    rows = {"ascending": live, "sampler": sampler.kept_order(done),
+            "shuffled": live[torch.randperm(len(live), generator=g)]}[order]
+    assert sorted(rows.tolist()) == live.tolist()
+    if order == "sampler":  # each live row that can stay does: only the finished places are refilled
+        stay = live[live < len(live)]
+        assert torch.equal(rows[stay], stay) and (rows != torch.arange(len(rows))).sum() == done[: len(live)].sum()
+    cache = M.KVCache(cfg, 16, 12)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.length = 9  # slots [9, 12) are unwritten: nothing needs them
+    want_k, want_v = cache.k.index_select(1, rows)[..., :9, :], cache.v.index_select(1, rows)[..., :9, :]
+    ptr = cache.k.data_ptr()
+    cache.keep_rows(rows)
+    assert cache.k.data_ptr() == ptr and cache.k.shape[1] == len(rows)  # the same buffer, its first rows
+    assert torch.equal(cache.k[..., :9, :], want_k) and torch.equal(cache.v[..., :9, :], want_v)
+    assert all(torch.equal(a, b) for a, b in zip(cache.k_layers, cache.k.unbind(0)))
 
 
 def test_cpu_vendor_reads_cpuinfo(monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import model as M
 import sampler
 from model import ModelConfig, Transformer, save_model
 from sampler import generate, sample
@@ -309,6 +310,26 @@ def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_
     assert torch.equal(fused.tokens, forward.tokens) and torch.equal(fused.mask, forward.mask)
     assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-5
     assert len(set(forward.mask.sum(1).tolist())) > 2  # rows stopped at several steps (and left the batch)
+
+
+@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
+def test_fused_step_with_onednn_packed_weights(monkeypatch):
+    # where oneDNN runs the projections (an AMD CPU with AVX-512; forced here), fused_layers hands the step copies
+    # in oneDNN's own layout: the same tokens and log-probs as the model's forward, whose oneDNN calls reorder
+    # the weights themselves
+    monkeypatch.setattr(M, "ONEDNN", True)
+    monkeypatch.setattr(M, "ONEDNN_MIN_MACS", 0)
+    cfg = ModelConfig(vocab_size=V, num_hidden_layers=2, **FUSED_CONFIGS["qwen2: q/k/v biases, GQA"])
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    layers = sampler.fused_layers(model, 16)
+    assert all(w[1] is not None and w[1].is_mkldnn for layer in layers for w in (layer[1], layer[3], layer[5]))
+    assert sampler.fused_layers(model)[0][1][1] is None  # without a row count: the plain weights
+    run = lambda fused: generate(model, PROMPTS, 12, num_samples=4, eos_ids=[3, 7],
+                                 generator=torch.Generator().manual_seed(0), fused=fused)
+    forward, fused = run(False), run(True)
+    assert torch.equal(fused.tokens, forward.tokens) and torch.equal(fused.mask, forward.mask)
+    assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-5
 
 
 def test_fused_step_falls_back_to_the_forward(monkeypatch):

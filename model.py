@@ -225,14 +225,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def keep_rows(x, rows, length: int):
-    """x (layers, batch, kv_heads, slots, D) a cache, rows (n,) long the batch rows to keep, in this order -> x's
-    first n rows holding them (their first `length` slots; a view). In place, copying only the rows that move
-    (sampler's order moves few): a new cache-sized tensor would cost its page faults on the CPU (~17 ms for the
-    --vs_trl sampler's 30 MB, 4% of a rollout)."""
+def keep_rows(rows, length: int, *caches) -> tuple:
+    """rows (n,) long the batch rows to keep, in this order; caches (layers, batch, kv_heads, slots, D) each -> each
+    cache's first n rows holding them (their first `length` slots; a view). In place, copying only the rows that
+    move (sampler's order moves few): a new cache-sized tensor would cost its page faults on the CPU (~17 ms for
+    the --vs_trl sampler's 30 MB, 4% of a rollout)."""
     moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()[:, 0]  # (m,)
-    x[:, moved, :, :length] = x[:, rows[moved], :, :length]  # (the source is read whole before it is written)
-    return x[:, : len(rows)]
+    src = rows[moved]
+    for x in caches:
+        x[:, moved, :, :length] = x[:, src, :, :length]  # (the source is read whole before it is written)
+    return tuple(x[:, : len(rows)] for x in caches)
 
 
 class KVCache:
@@ -250,7 +252,7 @@ class KVCache:
         self.length = 0  # slots filled; a forward writes the next T slots, then advances it
 
     def keep_rows(self, rows):  # rows (n,) long: the batch rows to keep, in this order (in place)
-        self.k, self.v = keep_rows(self.k, rows, self.length), keep_rows(self.v, rows, self.length)
+        self.k, self.v = keep_rows(rows, self.length, self.k, self.v)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, kv_heads, length + T, D)
@@ -279,7 +281,7 @@ class SharedPromptCache:
         self.rows = torch.arange(P * G, device=real.device)
 
     def keep_rows(self, rows):  # rows (n,) long, indices into the rows left: keep these, in this order (in place)
-        self.k, self.v = keep_rows(self.k, rows, self.length), keep_rows(self.v, rows, self.length)
+        self.k, self.v = keep_rows(rows, self.length, self.k, self.v)
         self.rows = self.rows[rows]
 
     def _to_grid(self, x):  # (n, Hkv, g, X) -> (P, Hkv, G * g, X); rows that have left are zero (and unread)

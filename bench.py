@@ -25,10 +25,10 @@ group's prompt counts once) plus one forward of the generated tokens, packed the
 installed the TRL side is skipped (one line) and the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots; the model's forward instead of
-sampler.fused_step for each decode step) and with the compiled static decode
-step (compile=True; its first step compiles, inside the warm-up), and with every fp32 projection on aten's
-kernel instead of oneDNN (model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way
-round), each on its own copy of the model, interleaved with the rest.
+sampler.fused_step for each decode step) and with compile=True (the fused step through torch.compile, each
+row with its own copy of its prompt's slots; it compiles inside the warm-up), and with every fp32 projection on
+aten's kernel instead of oneDNN (model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other
+way round), each on its own copy of the model, interleaved with the rest.
 """
 
 import argparse

@@ -14,6 +14,8 @@ masked) until they are 1/8 of the rows left; then the growing forward drops them
 places, in the cache itself), so a batch whose rows stop early stops paying for them. The static step keeps every
 row (fixed shapes). Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N
 rows decoded). Where oneDNN runs the projections (model.ONEDNN), the step reads weights packed once per call.
+compile=True (off by default; docs/speed.md says why) runs the same fused step through torch.compile, its step,
+row and slot counts symbolic, so one graph serves every step and call after the first few.
 """
 
 import weakref
@@ -94,9 +96,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     precision: under common.autocast (torch.autocast) the KV cache takes the autocast dtype.
     How each token is decoded: static=True uses decode_step (fixed shapes: every step attends over all cache
     slots, masked), else the model's forward over the slots filled so far (shapes grow by one slot a step).
-    compile=True runs decode_step through torch.compile (the first call of a shape compiles, for tens of seconds;
-    later calls reuse it); cuda_graph=True replays it as a CUDA graph captured once per batch shape and reused
-    across calls (CUDA only, not under FSDP2, whose gathered weights move between calls). Either implies static.
+    compile=True runs the step through torch.compile: fused_step where it applies (below; shapes grow, so the
+    first calls compile a few times, ~10-30 s each on a CPU, then one graph serves every step, row count and call;
+    each row holds a copy of its prompt's slots), else decode_step, which it then implies. cuda_graph=True replays
+    decode_step as a CUDA graph captured once per batch shape and reused across calls (CUDA only, not under FSDP2,
+    whose gathered weights move between calls); it implies static.
     shared_prompt=True (the growing forward, num_samples > 1): the G rows of a prompt attend to its cache slots
     held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once per step for
     its G samples. fused=True (the growing step): each step runs fused_step, the same arithmetic as the model's
@@ -126,13 +130,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     compile = default["compile"] if compile is None else compile
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     cuda_graph = (default["cuda_graph"] and not sharded) if cuda_graph is None else cuda_graph
-    static = compile or cuda_graph or (default["static"] if static is None else static)
+    static = cuda_graph or (default["static"] if static is None else static)
     if cuda_graph and (device.type != "cuda" or sharded):
         raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
-        N = len(prompts) * num_samples
-        layers = fused_layers(model, N) if fused and not static and not sharded else None
+        N = len(prompts) * num_samples  # (compiled, the products are inductor's: no oneDNN copies)
+        layers = fused_layers(model, 0 if compile else N) if fused and not static and not sharded else None
+        static = static or (compile and layers is None)  # what compiles where fused_step does not apply
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
                          generator, noise, static, compile, cuda_graph, shared_prompt, layers)
 
@@ -205,7 +210,7 @@ def _rms_norm(x, w, width, eps):  # model.RMSNorm's fp32 forward, the same value
     return (x * torch.addcdiv(eps, x.pow(2).sum(-1, keepdim=True), width).rsqrt_()).mul_(w)
 
 
-def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
+def fused_step(model, layers, cache, tok, cos, sin, norm, bias, t):
     """One new token per row: the model's forward at T = 1 (Block, Attention, MLP, RMSNorm, apply_rope,
     decode_attention: the same arithmetic in the same order; with MKL's AVX-512 kernels bitwise the same values
     where widths are multiples of 32, as in every preset; docs/speed.md) in about half its tensor ops, where the
@@ -213,10 +218,11 @@ def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
     kept between steps instead of built, RoPE's tables looked up.
     tok (n,) long; cos, sin (n, 1, D) RoPE at each row's position (rope_cos_sin's); norm: RMSNorm's (width, eps)
     as 0-d fp32 tensors; bias (n, S) fp32, 0 on the slots a row attends to (this step's included), -inf elsewhere,
-    for a KVCache; None for a SharedPromptCache. -> logits (n, V) fp32."""
+    for a KVCache; None for a SharedPromptCache. t: the slots filled after this step, cache.length + 1 (given, not
+    read, so a compiled step does not specialize on it; the caller sets cache.length). -> logits (n, V) fp32."""
     cfg = model.config
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    n, t = len(tok), cache.length + 1
+    n = len(tok)
     x = model.embed_tokens.weight[tok]  # (n, C)
     for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gate_up, w_down) in enumerate(layers):
         qkv = linear(_rms_norm(x, w_in, *norm), w_qkv[0], b_qkv, w_qkv[1])  # (n, (H + 2 Hkv) D)
@@ -227,41 +233,45 @@ def fused_step(model, layers, cache, tok, cos, sin, norm, bias):
             y = cache.attend(i, q[:, None], k[:, None], v[:, None])[:, 0]  # (n, H D)
         else:
             keys, values = cache.k_layers[i], cache.v_layers[i]  # (n, Hkv, S, D)
-            keys[:, :, t - 1], values[:, :, t - 1] = k, v
+            keys[:, :, t - 1 : t], values[:, :, t - 1 : t] = k[:, :, None], v[:, :, None]  # (slices: t stays symbolic)
             y = decode_attention(q.reshape(n, Hkv, H // Hkv, D), keys[:, :, :t], values[:, :, :t],
                                  bias[:, None, None, :t]).view(n, H * D)
         x = x + linear(y, w_o[0], None, w_o[1])
         gate_up = linear(_rms_norm(x, w_post, *norm), w_gate_up[0], None, w_gate_up[1])  # (n, 2 I)
         I = gate_up.shape[1] // 2
         x = x + linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w_down[0], None, w_down[1])
-    cache.length = t
     return linear(_rms_norm(x, model.norm.weight, *norm), model.lm_head.weight)
 
 
-_compiled_step = None
+_compiled = {}  # function -> its torch.compile wrapper, one per process: its graphs are reused across calls
+
+
+def compiled(step):
+    if step not in _compiled:
+        _compiled[step] = torch.compile(step)  # dynamic=None: a size seen to change compiles once more, symbolic
+    return _compiled[step]
 
 
 class Decoder:
     """One decode step and the buffers it works on: a KVCache of N rows x S slots and the key mask keys (N, S).
     static=False: the model's forward over the slots filled so far, or fused_step where fuse() gave it its weights
-    (then the key mask is an additive one, bias). With cuda_graph the first call captures the static step (on
-    copies of its inputs) and later calls replay it."""
+    (then the key mask is an additive one, bias). compile: the step (fused_step or decode_step) through
+    torch.compile. With cuda_graph the first call captures the static step (on copies of its inputs) and later
+    calls replay it."""
 
     def __init__(self, cfg, N, S, device, dtype, static, compile, cuda_graph, cache=None):
-        global _compiled_step
         self.cache = KVCache(cfg, N, S, device, dtype) if cache is None else cache
         # a SharedPromptCache (given) masks the prompts' padding itself and needs no key mask
         self.keys = torch.zeros(N, S, dtype=torch.bool, device=device) if cache is None else None
-        if compile and _compiled_step is None:  # one compiled function for the process: its graphs are reused
-            _compiled_step = torch.compile(decode_step)
-        self.step = _compiled_step if compile else decode_step
-        self.static, self.cuda_graph, self.graph = static, cuda_graph, None
+        self.step = compiled(decode_step) if compile and static else decode_step
+        self.static, self.compile, self.cuda_graph, self.graph = static, compile, cuda_graph, None
         self.layers = self.bias = None
 
     def fuse(self, model, layers, rope):
         """Decode with fused_step from now on: fused_layers' weights, rope = (cos, sin) (positions, 1, D), and
         RMSNorm's width and eps as 0-d fp32 tensors made once (a Python number becomes one at every call)."""
         self.layers, self.rope = layers, rope
+        self.fused = compiled(fused_step) if self.compile else fused_step
         self.norm = tuple(torch.tensor(float(v), dtype=torch.float32, device=rope[0].device)
                           for v in (model.config.hidden_size, model.config.rms_norm_eps))
         if self.keys is not None:  # the key mask, additive: 0 where a row attends
@@ -284,9 +294,11 @@ class Decoder:
 
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
         if self.layers is not None:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
-            p = pos[:, 0]
-            return fused_step(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p], self.norm,
-                              self.bias)
+            p, t = pos[:, 0], self.cache.length + 1
+            logits = self.fused(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p],
+                                self.norm, self.bias, t)
+            self.cache.length = t
+            return logits
         if not self.static:  # the same, through the model's forward
             return model(tok, cache=self.cache, input_pos=pos, attn_mask=self.keys, last_only=True)[:, -1]
         if not self.cuda_graph:
@@ -348,7 +360,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_p, top_k, eos_
     # prefill each prompt once, then copy its cache rows to its G samples
     prefill = KVCache(cfg, P, L, device, dtype)
     logits = model(tokens, cache=prefill, input_pos=pos, attn_mask=real, last_only=True)[:, -1]  # (P, V)
-    if shared_prompt and G > 1 and not static:  # the G rows of a prompt attend to its slots, held once
+    if shared_prompt and G > 1 and not static and not compile:  # the G rows of a prompt attend to its slots once
         shared = SharedPromptCache(prefill, real, G, max_new_tokens)
         dec = Decoder(cfg, N, S, device, dtype, False, False, False, shared)
     else:  # or to their own copies of them

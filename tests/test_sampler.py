@@ -204,10 +204,11 @@ def test_generate_under_ddp_and_fsdp2(tmp_path):
 
 def decode_modes(model, eos, temperature):
     """The same sampling call in each decode mode: the growing-slices forward, the fused step, the static step,
-    compiled."""
+    the fused step compiled (its shapes grow and rows leave), the static step compiled."""
     run = lambda **mode: generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature,
                                   generator=torch.Generator().manual_seed(0), **mode)
-    return run(static=False, fused=False), run(fused=True), run(static=True), run(compile=True)
+    return (run(static=False, fused=False), run(fused=True), run(static=True), run(compile=True),
+            run(static=True, compile=True))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -225,6 +226,28 @@ def test_fused_static_and_compiled_steps_equal_the_eager_forward(temperature):
     again = generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature, generator=gen(),
                      compile=True)  # the compiled step, reused: the same result
     assert torch.equal(again.tokens, eager.tokens)
+
+
+def test_compiled_fused_step_compiles_once_for_all_shapes():
+    # compile=True on the CPU: fused_step through torch.compile; after the first calls (steps, rows leaving and
+    # the cache's length have each changed once) one graph serves calls of other lengths, row counts and slots
+    from torch._dynamo.utils import counters
+    model = tiny_model(2)
+    graphs = lambda: counters["stats"]["unique_graphs"]
+    run = lambda prompts, n, G, **kw: generate(model, prompts, n, num_samples=G, eos_ids=[7, 9],
+                                               generator=torch.Generator().manual_seed(1), **kw)
+    torch._dynamo.reset()  # this test's compiles only
+    start = graphs()
+    run(PROMPTS, 9, 3, compile=True), run(PROMPTS[:2], 12, 4, compile=True)  # (rows stop at different steps)
+    before = graphs()
+    # a few graphs (the first step's static one; then steps, rows and slots symbolic; one row alone), well under
+    # dynamo's recompile limit (8), past which it would run the step eagerly, silently
+    assert 1 <= before - start <= 5
+    for prompts, n, G in ((PROMPTS[1:], 7, 5), (PROMPTS * 2, 15, 2), ([[3] * 20], 6, 6)):
+        out, want = run(prompts, n, G, compile=True), run(prompts, n, G, fused=True)
+        assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
+        assert want.mask.sum(1).min() < n and want.mask.sum(1).max() > 1  # rows left the batch at some step
+    assert graphs() == before  # no compile after the first calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_tiny(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the script runs `python`: this interpreter's, also where its venv is not activated
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
     r = subprocess.run(["bash", "scripts/gpu_check.sh", "--tiny", "--out", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -111,8 +111,9 @@ def bench(name, device, reps, compile):
         assert out.shape == (BATCH, L + NEW)
 
     run_ours(), run_hf()  # warm-up
-    if compile:
-        run_ours(compile=True)  # compiles (tens of seconds on CPU)
+    if compile:  # compiles (tens of seconds on CPU), from scratch: sizes another preset
+        torch._dynamo.reset()  # changed would stay symbolic (slower code), and dynamo's recompile limit counts them
+        run_ours(compile=True)
     t = {"ours": [], "hf": [], "prefill": [], "unfused": [], "compiled": []}
     for _ in range(reps):  # interleaved, so a burst of background load hits both sides
         t["ours"].append(timed(run_ours, device))

@@ -14,8 +14,9 @@ masked) until they are 1/8 of the rows left; then the growing forward drops them
 places, in the cache itself), so a batch whose rows stop early stops paying for them. The static step keeps every
 row (fixed shapes). Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N
 rows decoded). Where oneDNN runs the projections (model.ONEDNN), the step reads weights packed once per call.
-compile=True (off by default; docs/speed.md says why) runs the same fused step through torch.compile, its step,
-row and slot counts symbolic, so one graph serves every step and call after the first few.
+compile=True (off by default; docs/speed.md says why) runs the fused step, where it applies (the CPU's fp32
+default), through torch.compile, its step, row and slot counts symbolic, so one graph serves every step and call
+after the first few; each row then holds its own copy of its prompt's slots. Elsewhere it compiles the static step.
 """
 
 import weakref
@@ -101,12 +102,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     each row holds a copy of its prompt's slots), else decode_step, which it then implies. cuda_graph=True replays
     decode_step as a CUDA graph captured once per batch shape and reused across calls (CUDA only, not under FSDP2,
     whose gathered weights move between calls); it implies static.
-    shared_prompt=True (the growing forward, num_samples > 1): the G rows of a prompt attend to its cache slots
-    held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once per step for
-    its G samples. fused=True (the growing step): each step runs fused_step, the same arithmetic as the model's
-    forward in about half the tensor ops, for an fp32 model without LoRA, autocast or FSDP2 (elsewhere the forward
-    runs; fused_layers says where). None picks the device's default, DEFAULTS (docs/speed.md, "Decoding speed",
-    says how it was chosen). Every mode samples the same tokens; log-probs agree to float rounding."""
+    shared_prompt=True (the growing forward, num_samples > 1, not compiled): the G rows of a prompt attend to its
+    cache slots held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once
+    per step for its G samples. fused=True (the growing step): each step runs fused_step, the same arithmetic as
+    the model's forward in about half the tensor ops, for an fp32 model without LoRA, autocast or FSDP2 (elsewhere
+    the forward runs; fused_layers says where). None picks the device's default, DEFAULTS (docs/speed.md,
+    "Decoding speed", says how it was chosen). Every mode samples the same tokens; log-probs agree to float
+    rounding."""
     if isinstance(model, DistributedDataParallel):
         model = model.module  # DDP's own forward would broadcast buffers: a collective per step
     cfg = model.config

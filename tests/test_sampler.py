@@ -241,8 +241,11 @@ def test_compiled_fused_step_compiles_once_for_all_shapes():
     run(PROMPTS, 9, 3, compile=True), run(PROMPTS[:2], 12, 4, compile=True)  # (rows stop at different steps)
     before = graphs()
     # a few graphs (the first step's static one; then steps, rows and slots symbolic; one row alone), well under
-    # dynamo's recompile limit (8), past which it would run the step eagerly, silently
+    # dynamo's recompile limit (8), past which it would run the step eagerly, silently; and they are fused_step's
+    # (decode_step compiled would give the same tokens in as few graphs)
     assert 1 <= before - start <= 5
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
+    assert len(entries(sampler.fused_step)) == before - start and not entries(sampler.decode_step)
     for prompts, n, G in ((PROMPTS[1:], 7, 5), (PROMPTS * 2, 15, 2), ([[3] * 20], 6, 6)):
         out, want = run(prompts, n, G, compile=True), run(prompts, n, G, fused=True)
         assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5

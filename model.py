@@ -425,11 +425,15 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
+def _onednn_runs(w, macs: int) -> bool:  # the one rule, for linear() and onednn_packed(): w (out, in)
+    return (ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32 and not isinstance(w, DTensor)
+            and macs >= ONEDNN_MIN_MACS)
+
+
 def linear(x, w, b=None, packed=None):
     """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
     -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients)."""
-    if (not ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
-            or x.numel() * w.shape[0] < ONEDNN_MIN_MACS or isinstance(w, DTensor)
+    if (not _onednn_runs(w, x.numel() * w.shape[0]) or x.device.type != "cpu" or x.dtype != torch.float32
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
@@ -441,8 +445,7 @@ def onednn_packed(w, rows: int):
     """w (out, in) -> a copy in oneDNN's blocked layout for calls of about `rows` rows, or None where linear()
     would not run oneDNN for that many. oneDNN otherwise reorders w at every call: at the sampler's 64-row decode
     of a 256-wide model that is 10-30% of a projection (docs/speed.md); the products are bitwise the same."""
-    if (not ONEDNN or rows < 1 or w.device.type != "cpu" or w.dtype != torch.float32 or isinstance(w, DTensor)
-            or rows * w.numel() < ONEDNN_MIN_MACS):
+    if rows < 1 or not _onednn_runs(w, rows * w.numel()):  # (rows 0: no copies, whatever ONEDNN_MIN_MACS)
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 

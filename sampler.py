@@ -137,7 +137,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
-        N = len(prompts) * num_samples  # (compiled, the products are inductor's: no oneDNN copies)
+        N = len(prompts) * num_samples  # compiled, the products are inductor's: no oneDNN copies (rows 0)
         layers = fused_layers(model, 0 if compile else N) if fused and not static and not sharded else None
         static = static or (compile and layers is None)  # what compiles where fused_step does not apply
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,

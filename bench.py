@@ -21,14 +21,16 @@ and a random reward in [0, 1) so every row trains. The sides alternate step by s
 ours, then the floor), so background load hits both alike. Printed: both medians over --steps steps after
 --warmup, their ratio, each side's generate/train split, and the compute floor of our step: a forward+backward
 of the trained tokens packed without padding (rows as wide as the longest sequence; with --share_prompt a
-group's prompt counts once) plus one forward of the generated tokens, packed the same way. Without TRL
-installed the TRL side is skipped (one line) and the rest still runs.
+group's prompt counts once) plus one forward of the generated tokens, packed the same way. Also timed, on its own
+copy of the model and interleaved the same way: grpo.py --compile (the rollouts' decode step through
+torch.compile; it compiles inside the warm-up; skipped, one line, without a C++ compiler), with its own ratio
+(grpo_compile_vs_trl; grpo_vs_trl is the default's). Without TRL installed the TRL side is skipped (one line) and
+the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots; the model's forward instead of
-sampler.fused_step for each decode step) and with compile=True (the fused step through torch.compile, each
-row with its own copy of its prompt's slots; it compiles inside the warm-up), and with every fp32 projection on
-aten's kernel instead of oneDNN (model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other
-way round), each on its own copy of the model, interleaved with the rest.
+sampler.fused_step for each decode step), and with every fp32 projection on aten's kernel instead of oneDNN
+(model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way round), each on its own copy
+of the model, interleaved with the rest.
 """
 
 import argparse
@@ -46,6 +48,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import grpo
 import model
 import sampler
+from common import cxx_compiler
 from data import format_prompt, load_task
 from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
 from sampler import generate
@@ -270,18 +273,21 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         # --ablate: grpo.py's step again without one of its speed-ups each, on its own copy of the model
         # (cfg, sampler.DROP_EVERY, the CPU's decode modes, model.ONEDNN)
         plain, on = dict(sampler.DEFAULTS["cpu"]), model.ONEDNN
-        variants = {"without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain, on),
+        variants = {"--compile": (dataclasses.replace(cfg, compile=True), sampler.DROP_EVERY, plain, on),
+                    "without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain, on),
                     "without --share_prompt": (dataclasses.replace(cfg, share_prompt=False), sampler.DROP_EVERY,
                                                plain, on),
                     "without dropping finished rows": (cfg, math.inf, plain, on),
                     "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False},
                                                         on),
-                    "without the fused decode step": (cfg, sampler.DROP_EVERY, plain | {"fused": False}, on),
-                    "decoding with compile=True": (cfg, sampler.DROP_EVERY, plain | {"compile": True}, on)}
+                    "without the fused decode step": (cfg, sampler.DROP_EVERY, plain | {"fused": False}, on)}
         if model.ONEDNN_AVAILABLE:  # the same step with the other kernel for every large fp32 projection
             other = "without oneDNN projections" if on else "with oneDNN projections (MINIGRPO_ONEDNN=1)"
             variants[other] = (cfg, sampler.DROP_EVERY, plain, not on)
-        variants = variants if ablate else {}
+        if cxx_compiler() is None:
+            print("grpo.py --compile side skipped: no C++ compiler (torch.compile builds its CPU kernels with one)")
+            del variants["--compile"]
+        variants = variants if ablate else {k: v for k, v in variants.items() if k == "--compile"}
         others = {name: OurSide(model_dir, [tok.encode(t) for t in text], c) for name, (c, *_) in variants.items()}
 
         def our_step(step):
@@ -334,12 +340,15 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
     for name, side in others.items():
         gen, train = med([g for g, _ in side.times]), med([t for _, t in side.times])
         res[name] = gen + train
+        vs = f"; TRL {res['trl'] / (gen + train):.2f}x it" if trl_times else ""
         print(f"grpo.py {name}: median {gen + train:.2f} s/step (generate {gen:.2f} s, train {train:.2f} s): "
-              f"{(gen + train) / res['ours']:.2f}x grpo.py's")
+              f"{(gen + train) / res['ours']:.2f}x grpo.py's{vs}")
     print(f"floor of our step: {res['floor']:.2f} s (forward+backward of the trained tokens packed "
           f"{res['floor_train']:.2f} s + one forward of the generated ones {res['floor_gen']:.2f} s); "
           f"grpo.py is {res['ours'] / res['floor']:.2f}x the floor")
     if trl_times:
+        if "--compile" in res:
+            print(f"grpo_compile_vs_trl speedup={res['trl'] / res['--compile']:.2f}x")
         print(f"grpo_vs_trl speedup={res['ratio']:.2f}x")
     return res
 
@@ -356,7 +365,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="--vs_trl: steps per side before measuring")
     p.add_argument("--ablate", action="store_true", help="--vs_trl: also time grpo.py's step without each of its "
                    "speed-ups (--pack; --share_prompt; dropping finished rows; shared prompt slots; the fused "
-                   "decode step; oneDNN projections) and with compile=True, interleaved with the rest")
+                   "decode step; oneDNN projections), interleaved with the rest")
     args = p.parse_args()
     if args.vs_trl:
         return vs_trl(args.steps, args.warmup, args.threads or 2, ablate=args.ablate)

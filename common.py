@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 import sys
 import time
@@ -294,6 +295,12 @@ def check_packages(cfg):
     for package, wanted in (("wandb", getattr(cfg, "wandb", "")), ("tensorboard", getattr(cfg, "tensorboard", 0))):
         if wanted and importlib.util.find_spec(package) is None:
             raise SystemExit(f"error: --{package} needs the {package} package: pip install {package}")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile would build CPU kernels with: $CXX, else g++, clang++ or c++ on PATH; None
+    where there is none (compile would fail at its first call)."""
+    return next((c for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c and shutil.which(c)), None)
 
 
 class JsonlLogger:

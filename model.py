@@ -357,11 +357,16 @@ def packed_attention(segments, prefix, dtype) -> Packed:
 def decode_attention(q, k, v, mask):
     """One query step as two batched matmuls (on the CPU ~2x faster than its SDPA kernel at decode shapes; the
     softmax in fp32, as SDPA's). q (B, Hkv, g, D), k, v (B, Hkv, S, D), mask (B, 1, 1, S) additive or None
-    -> (B, Hkv, g, D)."""
-    w = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))  # (B, Hkv, g, S)
-    if mask is not None:
+    -> (B, Hkv, g, D). Traced by torch.compile, the two products are multiply-and-sums that inductor fuses into
+    one pass over the keys and one over the values (aten's bmm is a small GEMM per row and head, ~1 us each at
+    these shapes: ~40% of a compiled decode step; eagerly the products would be written out)."""
+    q = q * q.shape[-1] ** -0.5
+    compiling = torch.compiler.is_compiling()
+    w = (q[:, :, :, None] * k[:, :, None]).sum(-1) if compiling else torch.matmul(q, k.transpose(-1, -2))
+    if mask is not None:  # w (B, Hkv, g, S)
         w = w + mask
-    return torch.matmul(w.float().softmax(-1).to(v.dtype), v)
+    w = w.float().softmax(-1).to(v.dtype)
+    return (w[..., None] * v[:, :, None]).sum(-2) if compiling else torch.matmul(w, v)
 
 
 # fp32 projections on an AMD x86 CPU with AVX-512 go through oneDNN (torch's own CPU kernels library): torch sends
@@ -430,11 +435,23 @@ def _onednn_runs(w, macs: int) -> bool:  # the one rule, for linear() and onednn
             and macs >= ONEDNN_MIN_MACS)
 
 
+# _onednn as one opaque op for torch.compile, forward only: inductor would lower the product to its own GEMM (MKL's:
+# at a 256-wide model's decode ~2x slower than oneDNN's on packed weights); a Library op costs ~10 us less a call
+# than a torch.library.custom_op (whose Python wrappers run at every call)
+_LIB = torch.library.Library("minigrpo", "DEF")
+_LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? b, int out) -> Tensor")
+_LIB.impl("onednn_linear", lambda x, packed, b, out: _onednn(x, packed, b), "CompositeExplicitAutograd")
+torch.library.register_fake("minigrpo::onednn_linear", lambda x, packed, b, out: x.new_empty(*x.shape[:-1], out))
+
+
 def linear(x, w, b=None, packed=None):
     """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
-    -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients)."""
+    -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients; traced by
+    torch.compile too, as one op). Otherwise traced, the product is inductor's."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, w, b) if packed is None else torch.ops.minigrpo.onednn_linear(x, packed, b, w.shape[0])
     if (not _onednn_runs(w, x.numel() * w.shape[0]) or x.device.type != "cpu" or x.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):  # inductor: its own GEMMs
+            or torch.is_autocast_enabled("cpu")):
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _OneDNNLinear.apply(x, w, b)

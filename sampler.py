@@ -14,13 +14,15 @@ masked) until they are 1/8 of the rows left; then the growing forward drops them
 places, in the cache itself), so a batch whose rows stop early stops paying for them. The static step keeps every
 row (fixed shapes). Dropping rows changes no other row's tokens or draws (each row's uniform is drawn as if all N
 rows decoded). Where oneDNN runs the projections (model.ONEDNN), the step reads weights packed once per call.
-compile=True (off by default; docs/speed.md says why) runs the fused step, where it applies (the CPU's fp32
-default), through torch.compile, its step, row and slot counts symbolic, so one graph serves every step and call
-after the first few; each row then holds its own copy of its prompt's slots. Elsewhere it compiles the static step.
+compile=True (off by default; grpo.py --compile; docs/speed.md says why) runs the fused step, where it applies (the
+CPU's fp32 default), through torch.compile, its step, row and slot counts symbolic from the first call, so one graph
+serves every step and call; the large products stay oneDNN's on the packed weights (one opaque op each), attention
+becomes fused passes over the keys and values (model.decode_attention), and each row holds its own copy of its
+prompt's slots. Elsewhere it compiles the static step.
 """
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +99,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     precision: under common.autocast (torch.autocast) the KV cache takes the autocast dtype.
     How each token is decoded: static=True uses decode_step (fixed shapes: every step attends over all cache
     slots, masked), else the model's forward over the slots filled so far (shapes grow by one slot a step).
-    compile=True runs the step through torch.compile: fused_step where it applies (below; shapes grow, so the
-    first calls compile a few times, ~10-30 s each on a CPU, then one graph serves every step, row count and call;
-    each row holds a copy of its prompt's slots), else decode_step, which it then implies. cuda_graph=True replays
+    compile=True runs the step through torch.compile: fused_step where it applies (below; its sizes symbolic, so
+    the first call compiles once, ~10-20 s on a CPU, and that graph serves every step, row count and call; each row
+    holds a copy of its prompt's slots), else decode_step, which it then implies. cuda_graph=True replays
     decode_step as a CUDA graph captured once per batch shape and reused across calls (CUDA only, not under FSDP2,
     whose gathered weights move between calls); it implies static.
     shared_prompt=True (the growing forward, num_samples > 1, not compiled): the G rows of a prompt attend to its
@@ -137,8 +139,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
         raise ValueError(f"cuda_graph=True needs an unsharded model on a CUDA device (this one: {device}"
                          f"{', FSDP2-sharded' if sharded else ''})")
     with gathered(model):
-        N = len(prompts) * num_samples  # compiled, the products are inductor's: no oneDNN copies (rows 0)
-        layers = fused_layers(model, 0 if compile else N) if fused and not static and not sharded else None
+        N = len(prompts) * num_samples
+        layers = fused_layers(model, N, compile) if fused and not static and not sharded else None
         static = static or (compile and layers is None)  # what compiles where fused_step does not apply
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, eos_ids, pad_id,
                          generator, noise, static, compile, cuda_graph, shared_prompt, layers)
@@ -183,12 +185,18 @@ class _SlotWriter:
 FUSED_MAX_BYTES = 2**28  # fused_layers' weight copies stay under this (256 MiB), else the model's forward decodes
 
 
-def fused_layers(model, rows: int = 0) -> list[tuple] | None:
+# compiled, a product below this many multiply-adds (rows x in x out) stays inductor's GEMM (MKL's) rather than the
+# oneDNN op: 10-20 us faster a call at 64 x 384 -> 128, even at 64 x 256 -> 256, ~2x slower from 64 x 128 -> 768 up
+COMPILED_ONEDNN_MIN_MACS = 2**22
+
+
+def fused_layers(model, rows: int = 0, compiled: bool = False) -> list[tuple] | None:
     """fused_step's weights, per layer: (input norm, q/k/v stacked (out, in), their biases stacked or None, o_proj,
     post-attention norm, gate/up stacked (2 I, in), down_proj), each projection a pair (weight, its
-    model.onednn_packed copy for `rows` rows or None). Copies, made once per generate call: one matmul where the
-    model runs three, one where it runs two. None where the step does not apply: LoRA adapters, weights other than
-    fp32, autocast, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves nothing)."""
+    model.onednn_packed copy for `rows` rows or None; compiled: only from COMPILED_ONEDNN_MIN_MACS up). Copies,
+    made once per generate call: one matmul where the model runs three, one where it runs two. None where the step
+    does not apply: LoRA adapters, weights other than fp32, autocast, or copies over FUSED_MAX_BYTES (there the step
+    is its matmuls: fusing saves nothing)."""
     w = model.embed_tokens.weight
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
@@ -196,7 +204,8 @@ def fused_layers(model, rows: int = 0) -> list[tuple] | None:
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
         return None
-    layers, pair = [], lambda w: (w, onednn_packed(w, rows))
+    big = lambda w: not compiled or rows * w.numel() >= COMPILED_ONEDNN_MIN_MACS
+    layers, pair = [], lambda w: (w, onednn_packed(w, rows) if big(w) else None)
     for b in model.layers:
         a, m = b.self_attn, b.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)
@@ -297,8 +306,9 @@ class Decoder:
     def __call__(self, model, tok, pos, slot):  # -> logits (N, V)
         if self.layers is not None:  # writes slot cache.length (== slot), attends to slots [:slot + 1]
             p, t = pos[:, 0], self.cache.length + 1
-            logits = self.fused(model, self.layers, self.cache, tok[:, 0], self.rope[0][p], self.rope[1][p],
-                                self.norm, self.bias, t)
+            rows = tok[:, 0], self.rope[0][p], self.rope[1][p]
+            with _symbolic(rows, self.bias, self.cache) if self.compile else nullcontext():
+                logits = self.fused(model, self.layers, self.cache, *rows, self.norm, self.bias, t)
             self.cache.length = t
             return logits
         if not self.static:  # the same, through the model's forward
@@ -320,6 +330,20 @@ class Decoder:
             static.copy_(new)
         self.graph.replay()
         return self.logits
+
+
+def _symbolic(rows, bias, cache: KVCache):
+    """For torch.compile of fused_step: its row and slot counts (rows (n, ...) each, bias (n, S), the cache's
+    (n, Hkv, S, D) per layer) and its step t symbolic from the first call. Else the first call's sizes are
+    specialized and each that changes later compiles again: a process's graphs would depend on its history, and a
+    run resumed in a new process would decode to rounding, not bitwise, as the uninterrupted one. -> the context
+    the call runs in."""
+    for x in (*rows, bias, *cache.k_layers, *cache.v_layers):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    for x in (*cache.k_layers, *cache.v_layers):
+        torch._dynamo.maybe_mark_dynamic(x, 2)
+    torch._dynamo.maybe_mark_dynamic(bias, 1)
+    return torch.compiler.config.patch(dynamic_sources="L['t']")  # fused_step's argument t
 
 
 _graphed = {}  # (model, N, S, dtype) -> Decoder: captured CUDA graphs, reused across calls (one entry, the last)

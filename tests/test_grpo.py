@@ -205,6 +205,31 @@ def test_rollout_draws_the_same_samples_for_any_split(tiny_dir):
     assert len({tuple(t) for t, _ in together}) > 2  # real sampling, not a constant
 
 
+def test_compile_flag_decodes_the_same_rollouts(tiny_dir):
+    """--compile: the rollouts decode through torch.compile (the sampler's fused step compiled) and draw the eager
+    default's tokens, log-probs to float rounding."""
+    import sampler
+
+    model, tok, cfg, prompts = _tiny_rollout(tiny_dir, gen_batch=8)
+    eos, pad = [tok.eos_token_id], tok.pad_token_id or 0
+    eager = grpo.rollout(model, prompts, 0, 3, cfg, eos, pad, "cpu")
+    torch._dynamo.reset()
+    cfg.compile = True
+    compiled = grpo.rollout(model, prompts, 0, 3, cfg, eos, pad, "cpu")
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(sampler.fused_step)  # it compiled the step
+    assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.mask, eager.mask)
+    assert (compiled.logprobs - eager.logprobs).abs().max() <= 1e-5
+    assert len(set(map(tuple, eager.tokens.tolist()))) > 2  # real sampling, not a constant
+
+
+def test_compile_without_a_cxx_compiler_is_one_clear_line(tiny_dir, tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "CXX"} | {"PATH": str(tmp_path)}  # no g++ / clang++ / c++
+    r = subprocess.run([sys.executable, "grpo.py", "--init", str(tiny_dir), "--out_dir", str(tmp_path / "x"),
+                        "--compile", "true"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--compile on the CPU needs a C++ compiler" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
+
+
 def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
     """--mu 2: pass 1's ratio is exactly 1 (no clipping); pass 2 sees the weights after one AdamW step. Its clipped
     tokens are recomputed here from the model after the same single step (an independent --mu 1 update), with the

@@ -229,8 +229,8 @@ def test_fused_static_and_compiled_steps_equal_the_eager_forward(temperature):
 
 
 def test_compiled_fused_step_compiles_once_for_all_shapes():
-    # compile=True on the CPU: fused_step through torch.compile; after the first calls (steps, rows leaving and
-    # the cache's length have each changed once) one graph serves calls of other lengths, row counts and slots
+    # compile=True on the CPU: fused_step through torch.compile, its rows, slots and step symbolic from the first
+    # call: one graph serves every step, row count (rows leave) and cache length
     from torch._dynamo.utils import counters
     model = tiny_model(2)
     graphs = lambda: counters["stats"]["unique_graphs"]
@@ -240,10 +240,10 @@ def test_compiled_fused_step_compiles_once_for_all_shapes():
     start = graphs()
     run(PROMPTS, 9, 3, compile=True), run(PROMPTS[:2], 12, 4, compile=True)  # (rows stop at different steps)
     before = graphs()
-    # a few graphs (the first step's static one; then steps, rows and slots symbolic; one row alone), well under
-    # dynamo's recompile limit (8), past which it runs the step eagerly (one logged warning); and they are fused_step's
-    # (decode_step compiled would give the same tokens in as few graphs)
-    assert 1 <= before - start <= 5
+    # one graph (each size that changes marked dynamic; without, 2-3 graphs, and past dynamo's recompile limit, 8,
+    # it runs the step eagerly, one logged warning); and it is fused_step's (decode_step compiled would give the
+    # same tokens in as few graphs)
+    assert before - start == 1
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
     assert len(entries(sampler.fused_step)) == before - start and not entries(sampler.decode_step)
     for prompts, n, G in ((PROMPTS[1:], 7, 5), (PROMPTS * 2, 15, 2), ([[3] * 20], 6, 6)):
@@ -251,6 +251,46 @@ def test_compiled_fused_step_compiles_once_for_all_shapes():
         assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
         assert want.mask.sum(1).min() < n and want.mask.sum(1).max() > 1  # rows left the batch at some step
     assert graphs() == before  # no compile after the first calls
+    # a process that compiles afresh at this call (a resumed run) decodes bitwise what the warmed-up one did
+    torch._dynamo.reset()
+    again = run(prompts, n, G, compile=True)
+    assert torch.equal(again.tokens, out.tokens) and torch.equal(again.logprobs, out.logprobs)
+
+
+@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="needs oneDNN's fp32 linear (an x86 CPU build of torch)")
+def test_compiled_step_runs_onednn_products_on_packed_weights(monkeypatch):
+    # where oneDNN runs the projections, the compiled step keeps them (one opaque op each, model._onednn_op) on the
+    # weights packed once per call, not inductor's GEMMs: 4 products a layer at each decode step
+    monkeypatch.setattr(M, "ONEDNN", True)
+    monkeypatch.setattr(M, "ONEDNN_MIN_MACS", 0)  # the test model is far below the size rules
+    monkeypatch.setattr(sampler, "COMPILED_ONEDNN_MIN_MACS", 0)
+    decode_calls, onednn = [], M._onednn
+    monkeypatch.setattr(M, "_onednn", lambda x, w, b=None: decode_calls.append(x.dim() == 2) or onednn(x, w, b))
+    model = tiny_model(3)
+    run = lambda **kw: generate(model, PROMPTS, 8, num_samples=2, eos_ids=[7], temperature=1.0,
+                                generator=torch.Generator().manual_seed(0), **kw)
+    want = run(fused=True)
+    torch._dynamo.reset()
+    run(compile=True)  # compiles
+    decode_calls.clear()
+    out = run(compile=True)
+    assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
+    steps = out.tokens.shape[1] - 1  # the first token comes from the prefill
+    assert sum(decode_calls) == 4 * model.config.num_hidden_layers * steps > 0
+
+
+def test_compiled_decode_attention_equals_sdpa():
+    # traced, decode_attention's products are multiply-and-sums (inductor fuses each into one pass): against SDPA,
+    # with grouped queries, masked slots and a fully visible row
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)
+    mask = torch.zeros(3, 1, 1, 11).masked_fill_(torch.rand(3, 1, 1, 11) < 0.4, float("-inf"))
+    mask[:, ..., 0] = 0.0  # every row sees a slot
+    mask[2] = 0.0
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch._dynamo.reset()
+    got = torch.compile(M.decode_attention, fullgraph=True)(q, k, v, mask)
+    assert (got - want).abs().max() <= 1e-5 and (M.decode_attention(q, k, v, mask) - want).abs().max() <= 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -430,9 +430,9 @@ class _OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def _onednn_runs(w, macs: int) -> bool:  # the one rule, for linear() and onednn_packed(): w (out, in)
+def _onednn_runs(w, macs: int, min_macs: int | None = None) -> bool:  # the rule, for linear(), onednn_packed()
     return (ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32 and not isinstance(w, DTensor)
-            and macs >= ONEDNN_MIN_MACS)
+            and macs >= (ONEDNN_MIN_MACS if min_macs is None else min_macs))  # w (out, in)
 
 
 # _onednn as one opaque op for torch.compile, forward only: inductor would lower the product to its own GEMM (MKL's:
@@ -458,11 +458,12 @@ def linear(x, w, b=None, packed=None):
     return _onednn(x, w if packed is None else packed, b)
 
 
-def onednn_packed(w, rows: int):
+def onednn_packed(w, rows: int, min_macs: int | None = None):
     """w (out, in) -> a copy in oneDNN's blocked layout for calls of about `rows` rows, or None where linear()
-    would not run oneDNN for that many. oneDNN otherwise reorders w at every call: at the sampler's 64-row decode
-    of a 256-wide model that is 10-30% of a projection (docs/speed.md); the products are bitwise the same."""
-    if rows < 1 or not _onednn_runs(w, rows * w.numel()):  # (rows 0: no copies, whatever ONEDNN_MIN_MACS)
+    would not run oneDNN for that many (or below min_macs multiply-adds, if given). oneDNN otherwise reorders w at
+    every call: at the sampler's 64-row decode of a 256-wide model that is 10-30% of a projection (docs/speed.md);
+    the products are bitwise the same."""
+    if rows < 1 or not _onednn_runs(w, rows * w.numel(), min_macs):  # (rows 0: no copies, whatever the size)
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 

@@ -185,15 +185,16 @@ class _SlotWriter:
 FUSED_MAX_BYTES = 2**28  # fused_layers' weight copies stay under this (256 MiB), else the model's forward decodes
 
 
-# compiled, a product below this many multiply-adds (rows x in x out) stays inductor's GEMM (MKL's) rather than the
-# oneDNN op: 10-20 us faster a call at 64 x 384 -> 128, even at 64 x 256 -> 256, ~2x slower from 64 x 128 -> 768 up
-COMPILED_ONEDNN_MIN_MACS = 2**22
+# compiled, a weight with fewer entries (in x out) stays inductor's GEMM (MKL's) rather than the oneDNN op: at 64
+# rows 10-20 us faster a call at 384 -> 128, even at 256 -> 256, ~2x slower from 128 -> 768 up. By the weight alone,
+# not the rows (as linear()'s rule): a choice that changed with the row count would compile the step again
+COMPILED_ONEDNN_MIN_WEIGHT = 2**16
 
 
 def fused_layers(model, rows: int = 0, compiled: bool = False) -> list[tuple] | None:
     """fused_step's weights, per layer: (input norm, q/k/v stacked (out, in), their biases stacked or None, o_proj,
     post-attention norm, gate/up stacked (2 I, in), down_proj), each projection a pair (weight, its
-    model.onednn_packed copy for `rows` rows or None; compiled: only from COMPILED_ONEDNN_MIN_MACS up). Copies,
+    model.onednn_packed copy for `rows` rows or None; compiled: for weights from COMPILED_ONEDNN_MIN_WEIGHT up). Copies,
     made once per generate call: one matmul where the model runs three, one where it runs two. None where the step
     does not apply: LoRA adapters, weights other than fp32, autocast, or copies over FUSED_MAX_BYTES (there the step
     is its matmuls: fusing saves nothing)."""
@@ -204,8 +205,9 @@ def fused_layers(model, rows: int = 0, compiled: bool = False) -> list[tuple] | 
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
         return None
-    big = lambda w: not compiled or rows * w.numel() >= COMPILED_ONEDNN_MIN_MACS
-    layers, pair = [], lambda w: (w, onednn_packed(w, rows) if big(w) else None)
+    packed = lambda w: onednn_packed(w, rows) if not compiled else (
+        onednn_packed(w, rows, min_macs=0) if w.numel() >= COMPILED_ONEDNN_MIN_WEIGHT else None)
+    layers, pair = [], lambda w: (w, packed(w))
     for b in model.layers:
         a, m = b.self_attn, b.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)

@@ -259,24 +259,28 @@ def test_compiled_fused_step_compiles_once_for_all_shapes():
 
 @pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="needs oneDNN's fp32 linear (an x86 CPU build of torch)")
 def test_compiled_step_runs_onednn_products_on_packed_weights(monkeypatch):
-    # where oneDNN runs the projections, the compiled step keeps them (one opaque op each, model._onednn_op) on the
-    # weights packed once per call, not inductor's GEMMs: 4 products a layer at each decode step
+    # where oneDNN runs the projections, the compiled step keeps the products of its large weights oneDNN's (one
+    # opaque op each) on copies packed once per call, not inductor's GEMMs; which ones, by the weight's size alone
+    # (a rule on rows x size would compile again when the row count changes, and never pack these small weights)
+    from torch._dynamo.utils import counters
     monkeypatch.setattr(M, "ONEDNN", True)
-    monkeypatch.setattr(M, "ONEDNN_MIN_MACS", 0)  # the test model is far below the size rules
-    monkeypatch.setattr(sampler, "COMPILED_ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(sampler, "COMPILED_ONEDNN_MIN_WEIGHT", 2000)  # q/k/v (64 x 32) and gate/up (96 x 32) only
     decode_calls, onednn = [], M._onednn
     monkeypatch.setattr(M, "_onednn", lambda x, w, b=None: decode_calls.append(x.dim() == 2) or onednn(x, w, b))
     model = tiny_model(3)
-    run = lambda **kw: generate(model, PROMPTS, 8, num_samples=2, eos_ids=[7], temperature=1.0,
-                                generator=torch.Generator().manual_seed(0), **kw)
-    want = run(fused=True)
+    run = lambda G, **kw: generate(model, PROMPTS, 8, num_samples=G, eos_ids=[7], temperature=1.0,
+                                   generator=torch.Generator().manual_seed(0), **kw)
     torch._dynamo.reset()
-    run(compile=True)  # compiles
-    decode_calls.clear()
-    out = run(compile=True)
-    assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
-    steps = out.tokens.shape[1] - 1  # the first token comes from the prefill
-    assert sum(decode_calls) == 4 * model.config.num_hidden_layers * steps > 0
+    run(2, compile=True)  # compiles
+    graphs = counters["stats"]["unique_graphs"]
+    for G in (2, 3):
+        want = run(G, fused=True)
+        decode_calls.clear()
+        out = run(G, compile=True)
+        assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
+        steps = out.tokens.shape[1] - 1  # the first token comes from the prefill
+        assert sum(decode_calls) == 2 * model.config.num_hidden_layers * steps > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # 6 rows, then 12: the same graph
 
 
 def test_compiled_decode_attention_equals_sdpa():

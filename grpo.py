@@ -124,8 +124,8 @@ class GRPOConfig:
     gen_batch: int = flag(8, "prompts per sampler call (x G rows)")
     compile: bool = flag(False, "decode the rollouts through torch.compile (generate's compile=True): "
                          "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide models, no faster at "
-                         "the demo's width; the first steps compile (~30 s); on the CPU it needs "
-                         "a C++ compiler (docs/speed.md)")
+                         "the demo's width; the first step compiles (~25 s, ~6 s cached); on the "
+                         "CPU it needs a C++ compiler (docs/speed.md)")
     loss: str = flag("dapo", "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
                      "denominator | gspo: sequence ratio | cispo: clipped IS weight",
                      choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"])

@@ -298,9 +298,10 @@ def check_packages(cfg):
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler torch.compile would build CPU kernels with: $CXX, else g++, clang++ or c++ on PATH; None
-    where there is none (compile would fail at its first call)."""
-    return next((c for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c and shutil.which(c)), None)
+    """The C++ compiler torch.compile builds CPU kernels with, as inductor picks it ($CXX, else g++; clang++ on
+    macOS), if it is on PATH; else None (compile would fail at its first call)."""
+    cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return cxx if shutil.which(cxx) else None
 
 
 class JsonlLogger:

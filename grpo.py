@@ -123,9 +123,9 @@ class GRPOConfig:
     top_k: int = flag(0, "top-k sampling (0 = off)")
     gen_batch: int = flag(8, "prompts per sampler call (x G rows)")
     compile: bool = flag(False, "decode the rollouts through torch.compile (generate's compile=True): "
-                         "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide models, no faster at "
-                         "the demo's width; the first step compiles (~25 s, ~6 s cached); on the "
-                         "CPU it needs a C++ compiler (docs/speed.md)")
+                         "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide fp32 models without "
+                         "LoRA, no faster at the demo's width; the first step compiles (~25 s, ~6 s "
+                         "cached); on the CPU it needs a C++ compiler (docs/speed.md)")
     loss: str = flag("dapo", "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
                      "denominator | gspo: sequence ratio | cispo: clipped IS weight",
                      choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
@@ -650,8 +650,8 @@ def main(argv=None):
                          "e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
     if cfg.compile and d.device.type == "cpu" and cxx_compiler() is None:  # inductor builds with one
-        raise SystemExit("error: --compile on the CPU needs a C++ compiler (g++ or clang++ on PATH, "
-                         "or CXX): install one, or drop --compile")
+        raise SystemExit("error: --compile on the CPU needs a C++ compiler (g++ on PATH, or CXX "
+                         "naming one): install one, or drop --compile")
     check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
     with user_input("--reward_weights"):
         weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None

@@ -438,18 +438,21 @@ def _onednn_runs(w, macs: int, min_macs: int | None = None) -> bool:  # the rule
 # _onednn as one opaque op for torch.compile, forward only: inductor would lower the product to its own GEMM (MKL's:
 # at a 256-wide model's decode ~2x slower than oneDNN's on packed weights); a Library op costs ~10 us less a call
 # than a torch.library.custom_op (whose Python wrappers run at every call)
-_LIB = torch.library.Library("minigrpo", "DEF")
-_LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? b, int out) -> Tensor")
-_LIB.impl("onednn_linear", lambda x, packed, b, out: _onednn(x, packed, b), "CompositeExplicitAutograd")
-torch.library.register_fake("minigrpo::onednn_linear", lambda x, packed, b, out: x.new_empty(*x.shape[:-1], out))
+if not hasattr(torch.ops.minigrpo, "onednn_linear"):  # (defined once per process, whatever imports this file)
+    _LIB = torch.library.Library("minigrpo", "DEF")
+    _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? b, int out) -> Tensor")
+    _LIB.impl("onednn_linear", lambda x, packed, b, out: _onednn(x, packed, b), "CompositeExplicitAutograd")
+    torch.library.register_fake("minigrpo::onednn_linear", lambda x, packed, b, out: x.new_empty(*x.shape[:-1], out))
 
 
 def linear(x, w, b=None, packed=None):
     """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
     -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients; traced by
     torch.compile too, as one op). Otherwise traced, the product is inductor's."""
-    if torch.compiler.is_compiling():
-        return F.linear(x, w, b) if packed is None else torch.ops.minigrpo.onednn_linear(x, packed, b, w.shape[0])
+    if torch.compiler.is_compiling():  # (the op has no gradient: packed copies are for no_grad calls only)
+        if packed is None or torch.is_grad_enabled():
+            return F.linear(x, w, b)
+        return torch.ops.minigrpo.onednn_linear(x, packed, b, w.shape[0])
     if (not _onednn_runs(w, x.numel() * w.shape[0]) or x.device.type != "cpu" or x.dtype != torch.float32
             or torch.is_autocast_enabled("cpu")):
         return F.linear(x, w, b)

@@ -16,9 +16,9 @@ row (fixed shapes). Dropping rows changes no other row's tokens or draws (each r
 rows decoded). Where oneDNN runs the projections (model.ONEDNN), the step reads weights packed once per call.
 compile=True (off by default; grpo.py --compile; docs/speed.md says why) runs the fused step, where it applies (the
 CPU's fp32 default), through torch.compile, its step, row and slot counts symbolic from the first call, so one graph
-serves every step and call; the large products stay oneDNN's on the packed weights (one opaque op each), attention
-becomes fused passes over the keys and values (model.decode_attention), and each row holds its own copy of its
-prompt's slots. Elsewhere it compiles the static step.
+serves every step and call (one row alone: a second); the large products stay oneDNN's on the packed weights (one
+opaque op each), attention becomes fused passes over the keys and values (model.decode_attention), and each row
+holds its own copy of its prompt's slots. Elsewhere it compiles the static step.
 """
 
 import weakref
@@ -100,8 +100,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     How each token is decoded: static=True uses decode_step (fixed shapes: every step attends over all cache
     slots, masked), else the model's forward over the slots filled so far (shapes grow by one slot a step).
     compile=True runs the step through torch.compile: fused_step where it applies (below; its sizes symbolic, so
-    the first call compiles once, ~10-20 s on a CPU, and that graph serves every step, row count and call; each row
-    holds a copy of its prompt's slots), else decode_step, which it then implies. cuda_graph=True replays
+    the first call compiles once, ~25 s on a CPU, ~6 s with inductor's cache warm, and that graph serves every step,
+    row count and call, one row alone a second; each row holds a copy of its prompt's slots), else decode_step,
+    which it then implies. cuda_graph=True replays
     decode_step as a CUDA graph captured once per batch shape and reused across calls (CUDA only, not under FSDP2,
     whose gathered weights move between calls); it implies static.
     shared_prompt=True (the growing forward, num_samples > 1, not compiled): the G rows of a prompt attend to its
@@ -261,7 +262,8 @@ _compiled = {}  # function -> its torch.compile wrapper, one per process: its gr
 
 def compiled(step):
     if step not in _compiled:
-        _compiled[step] = torch.compile(step)  # dynamic=None: a size seen to change compiles once more, symbolic
+        # dynamic=None: a size seen to change compiles once more, symbolic (fused_step's are marked so from the start)
+        _compiled[step] = torch.compile(step)
     return _compiled[step]
 
 
@@ -338,13 +340,16 @@ def _symbolic(rows, bias, cache: KVCache):
     """For torch.compile of fused_step: its row and slot counts (rows (n, ...) each, bias (n, S), the cache's
     (n, Hkv, S, D) per layer) and its step t symbolic from the first call. Else the first call's sizes are
     specialized and each that changes later compiles again: a process's graphs would depend on its history, and a
-    run resumed in a new process would decode to rounding, not bitwise, as the uninterrupted one. -> the context
-    the call runs in."""
+    run resumed in a new process would decode to rounding, not bitwise, as the uninterrupted one. (One row left
+    still gets a graph of its own: Dynamo specializes sizes 0 and 1; as it depends on n alone, so does it.) -> the
+    context the call runs in."""
     for x in (*rows, bias, *cache.k_layers, *cache.v_layers):
         torch._dynamo.maybe_mark_dynamic(x, 0)
     for x in (*cache.k_layers, *cache.v_layers):
-        torch._dynamo.maybe_mark_dynamic(x, 2)
+        torch._dynamo.maybe_mark_dynamic(x, 2)  # the slots
     torch._dynamo.maybe_mark_dynamic(bias, 1)
+    if not hasattr(torch.compiler.config, "dynamic_sources"):  # torch < 2.7: t turns symbolic at the second step
+        return nullcontext()
     return torch.compiler.config.patch(dynamic_sources="L['t']")  # fused_step's argument t
 
 

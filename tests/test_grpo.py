@@ -223,11 +223,13 @@ def test_compile_flag_decodes_the_same_rollouts(tiny_dir):
 
 
 def test_compile_without_a_cxx_compiler_is_one_clear_line(tiny_dir, tmp_path):
-    env = {k: v for k, v in ENV.items() if k != "CXX"} | {"PATH": str(tmp_path)}  # no g++ / clang++ / c++
-    r = subprocess.run([sys.executable, "grpo.py", "--init", str(tiny_dir), "--out_dir", str(tmp_path / "x"),
-                        "--compile", "true"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "--compile on the CPU needs a C++ compiler" in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
+    # inductor builds with $CXX, else g++: neither on PATH, or CXX naming one that is not there
+    for env in ({k: v for k, v in ENV.items() if k != "CXX"} | {"PATH": str(tmp_path)},
+                ENV | {"CXX": str(tmp_path / "no-such-g++")}):
+        r = subprocess.run([sys.executable, "grpo.py", "--init", str(tiny_dir), "--out_dir", str(tmp_path / "x"),
+                            "--compile", "true"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "--compile on the CPU needs a C++ compiler" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
 
 
 def test_clip_fractions_are_measured_on_every_pass(tiny_dir):

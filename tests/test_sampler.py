@@ -251,6 +251,8 @@ def test_compiled_fused_step_compiles_once_for_all_shapes():
         assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
         assert want.mask.sum(1).min() < n and want.mask.sum(1).max() > 1  # rows left the batch at some step
     assert graphs() == before  # no compile after the first calls
+    one = run([[3] * 5], 6, 1, compile=True)  # one row: Dynamo specializes a size of 1, so a graph of its own
+    assert torch.equal(one.tokens, run([[3] * 5], 6, 1, fused=True).tokens) and graphs() == before + 1
     # a process that compiles afresh at this call (a resumed run) decodes bitwise what the warmed-up one did
     torch._dynamo.reset()
     again = run(prompts, n, G, compile=True)
@@ -292,8 +294,16 @@ def test_compiled_decode_attention_equals_sdpa():
     mask[:, ..., 0] = 0.0  # every row sees a slot
     mask[2] = 0.0
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    traced = []  # the functions the traced graph calls: no matmul (the eager path's) in it
+
+    def record(gm, inputs):
+        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
     torch._dynamo.reset()
-    got = torch.compile(M.decode_attention, fullgraph=True)(q, k, v, mask)
+    assert (torch.compile(M.decode_attention, backend=record)(q, k, v, mask) - want).abs().max() <= 1e-5
+    assert traced and torch.matmul not in traced and torch.bmm not in traced
+    got = torch.compile(M.decode_attention, fullgraph=True)(q, k, v, mask)  # inductor's fused passes
     assert (got - want).abs().max() <= 1e-5 and (M.decode_attention(q, k, v, mask) - want).abs().max() <= 1e-5
 
 

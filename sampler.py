@@ -102,9 +102,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, num_sample
     compile=True runs the step through torch.compile: fused_step where it applies (below; its sizes symbolic, so
     the first call compiles once, ~25 s on a CPU, ~6 s with inductor's cache warm, and that graph serves every step,
     row count and call, one row alone a second; each row holds a copy of its prompt's slots), else decode_step,
-    which it then implies. cuda_graph=True replays
-    decode_step as a CUDA graph captured once per batch shape and reused across calls (CUDA only, not under FSDP2,
-    whose gathered weights move between calls); it implies static.
+    which it then implies. cuda_graph=True replays decode_step as a CUDA graph captured once per batch shape and
+    reused across calls (CUDA only, not under FSDP2, whose gathered weights move between calls); it implies static.
     shared_prompt=True (the growing forward, num_samples > 1, not compiled): the G rows of a prompt attend to its
     cache slots held once (model.SharedPromptCache), not to G copies: the prompt's keys and values are read once
     per step for its G samples. fused=True (the growing step): each step runs fused_step, the same arithmetic as
@@ -206,9 +205,12 @@ def fused_layers(model, rows: int = 0, compiled: bool = False) -> list[tuple] | 
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
         return None
-    packed = lambda w: onednn_packed(w, rows) if not compiled else (
-        onednn_packed(w, rows, min_macs=0) if w.numel() >= COMPILED_ONEDNN_MIN_WEIGHT else None)
-    layers, pair = [], lambda w: (w, packed(w))
+    def pair(w):  # compiled: by the weight's size alone
+        if compiled and w.numel() < COMPILED_ONEDNN_MIN_WEIGHT:
+            return w, None
+        return w, onednn_packed(w, rows, min_macs=0 if compiled else None)
+
+    layers = []
     for b in model.layers:
         a, m = b.self_attn, b.mlp
         qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)

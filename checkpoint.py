@@ -313,7 +313,7 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     ckpt_dir = Path(ckpt_dir)
     progress = _read_progress(ckpt_dir / PROGRESS)
     state, optim_sd = _train_state(model, optimizer)
-    dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), no_dist=not is_dist())
+    dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), planner=_TensorsOnly(), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
         state["model"]["lm_head.weight"] = state["model"]["embed_tokens.weight"]
     set_model_state_dict(model, state["model"], options=_TRAINABLE)
@@ -348,11 +348,13 @@ def _read_progress(path: Path) -> dict:
     return progress
 
 
-# what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths
+# what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths. Not
+# BytesStorageMetadata: DCP reads a "bytes" entry with torch.load(weights_only=False), i.e. it runs any pickle, and
+# minigrpo saves only tensors.
 _METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                              "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)},
@@ -368,14 +370,35 @@ class _AllowlistUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, reading the .metadata pickle through the allowlist above."""
+    """DCP's file reader, reading the .metadata pickle through the allowlist above: tensors only, each stored in a
+    file of this directory."""
 
     def read_metadata(self, *args, **kwargs):
         with open(Path(self.path) / ".metadata", "rb") as f:
             metadata = _AllowlistUnpickler(f).load()
+        _check_metadata(Path(self.path) / ".metadata", metadata)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_metadata(path: Path, metadata) -> None:
+    if not isinstance(metadata, dcp.metadata.Metadata):
+        raise ValueError(f"{path}: not DCP metadata ({type(metadata).__name__})")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp.metadata.TensorStorageMetadata):
+            raise ValueError(f"{path}: {key!r} is not a tensor; minigrpo saves only tensors")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{path}: storage file {name!r} is not a file name in this directory")
+
+
+class _TensorsOnly(dcp.DefaultLoadPlanner):
+    """DCP's load planner, refusing what is not a tensor (its load_bytes unpickles with weights_only=False)."""
+
+    def load_bytes(self, read_item, value):
+        raise ValueError(f"{read_item.dest_index.fqn} is stored as bytes, not a tensor; minigrpo saves only tensors")
 
 
 def _rng_state() -> dict:

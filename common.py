@@ -420,14 +420,6 @@ def check_precision(dtype: str, weights_dtype: str):
         raise SystemExit("error: --weights_dtype bfloat16 needs --dtype bfloat16 (bf16 weights compute in bf16)")
 
 
-def lora_estimate_args(cfg) -> dict:
-    """memory_estimate's LoRA arguments from a run's --lora_* flags (none without --lora_rank)."""
-    if not cfg.lora_rank:
-        return {}
-    return dict(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets, lora_dropout=cfg.lora_dropout,
-                base_bytes=DTYPES[cfg.lora_base_dtype].itemsize)
-
-
 def autocast(model: torch.nn.Module, dtype: str):
     """The context every forward of `model` runs in: training, the sampler and eval alike, so all three compute the
     same numbers. --dtype bfloat16 on one device or under DDP: torch.autocast, i.e. matmuls and attention in bf16

@@ -1,10 +1,11 @@
-"""Hugging Face directories <-> Transformer: config.json + model.safetensors (or shards + their index), config
-checks, and the tokenizer helpers every stage shares.
+"""Hugging Face directories <-> Transformer: config.json + model.safetensors (or shards + their index), and the
+tokenizer helpers every stage shares.
 
     model = load_model("Qwen2.5-0.5B")    # any HF dir of model_type llama or qwen2 (safetensors only)
     save_model(model, "out/", tokenizer)   # an HF directory again (a LoRA model merged)
 
-load_config reads and checks config.json before any weight is read; char_tokenizer is the demo's tokenizer.
+load_config reads config.json and checks it (ModelConfig's checks, model.check_size) before any weight is read;
+char_tokenizer is the demo's tokenizer.
 """
 
 import json
@@ -18,27 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
 from lora import _fsync, _full, lora_layers
-from model import ModelConfig, Transformer
-
-# sizes beyond any model minigrpo is meant for: a config past them is far more likely a typo (or a hostile file)
-# than a model, and building it would take minutes or all memory before failing. --size_limits false lifts them.
-SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144,
-               "num_attention_heads": 1024, "head_dim": 1024, "vocab_size": 2**22, "max_position_embeddings": 2**22}
-MAX_PARAMS = 2 * 10**12
-
-
-def check_size(cfg: ModelConfig):
-    """Refuse a config past SIZE_LIMITS or MAX_PARAMS, before anything is allocated (python ints, no tensors)."""
-    for name, limit in SIZE_LIMITS.items():
-        if getattr(cfg, name) > limit:
-            raise ValueError(f"{name}={getattr(cfg, name)} is over minigrpo's sanity limit {limit}: if the model is "
-                             "really that large, pass --size_limits false")
-    C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    block = C * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * C * F
-    n = cfg.num_hidden_layers * block + cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
-    if n > MAX_PARAMS:
-        raise ValueError(f"the config describes {n:.3g} parameters, over minigrpo's sanity limit {MAX_PARAMS:.0g}: "
-                         "if the model is really that large, pass --size_limits false")
+from model import ModelConfig, Transformer, check_size
 
 
 def _shard_files(path: Path) -> list[str]:

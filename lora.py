@@ -123,8 +123,6 @@ def _full(v: torch.Tensor) -> torch.Tensor:
     return v.full_tensor() if isinstance(v, DTensor) else v
 
 
-
-
 def _fsync(path):
     with open(path, "rb") as f:
         os.fsync(f.fileno())

@@ -135,6 +135,25 @@ def _check_types(cfg: ModelConfig):
                              "high_freq_factor > low_freq_factor")
 
 
+# sizes beyond any model minigrpo is meant for: a config past them is far more likely a typo (or a hostile file)
+# than a model, and building it would take minutes or all memory before failing. --size_limits false lifts them.
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144,
+               "num_attention_heads": 1024, "head_dim": 1024, "vocab_size": 2**22, "max_position_embeddings": 2**22}
+MAX_PARAMS = 2 * 10**12
+
+
+def check_size(cfg: ModelConfig):
+    """Refuse a config past SIZE_LIMITS or MAX_PARAMS, before anything is allocated (python ints, no tensors)."""
+    for name, limit in SIZE_LIMITS.items():
+        if getattr(cfg, name) > limit:
+            raise ValueError(f"{name}={getattr(cfg, name)} is over minigrpo's sanity limit {limit}: if the model is "
+                             "really that large, pass --size_limits false")
+    C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    block = C * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * C * F
+    n = cfg.num_hidden_layers * block + cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
+    if n > MAX_PARAMS:
+        raise ValueError(f"the config describes {n:.3g} parameters, over minigrpo's sanity limit {MAX_PARAMS:.0g}: "
+                         "if the model is really that large, pass --size_limits false")
 
 
 PRESETS = {
@@ -503,8 +522,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
-
-
 
 
 class Block(nn.Module):

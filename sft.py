@@ -107,7 +107,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
 from eval import evaluate
-from hf import char_tokenizer, check_size, load_config, load_model, load_tokenizer, stop_and_pad_ids
+from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
 
@@ -331,7 +331,7 @@ def main(argv=None):
             overrides = parse_knobs(cfg.model_overrides)
             model_cfg = model_lib.preset_config(cfg.model, len(tok), **special, **overrides)
             if cfg.size_limits:
-                check_size(model_cfg)
+                model_lib.check_size(model_cfg)
     with user_input("--init"):  # a model directory without any stop token
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
     eos_id = eos_ids[0]  # what every target ends with: the tokenizer's EOS (a chat model's end of turn)

@@ -27,7 +27,7 @@ Sharded: under FSDP2 each rank writes and reads only its own shard of the weight
 (under DDP the replicated tensors are split among the ranks for writing); no rank ever builds the full state. DCP
 reshards on load, so a checkpoint written by N ranks loads on M ranks under none, DDP or FSDP2. The HF weights are a
 second copy, for eval.py / transformers / --init: gathered one tensor at a time, written by rank 0 in files of at
-most 2 GiB (model.save_model). Only tensors go into train_state/: optimizer hyperparameters come from the flags of
+most 2 GiB (hf.save_model). Only tensors go into train_state/: optimizer hyperparameters come from the flags of
 the resumed run (the LR from its schedule), and DCP's pickled metadata file is read through an allowlist.
 
 Atomic: everything is written into run/.tmp_step_N/, fsynced, renamed to run/step_N/, and `latest` is updated last;

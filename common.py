@@ -548,7 +548,7 @@ def stays_stopped(state: dict, max_minutes: float) -> bool:
 def user_input(what: str):
     """Bad input a user gave (a missing path, a model dir without weights, a truncated safetensors file, a malformed
     data row) becomes one line, `error: WHAT: reason`, and exit status 1, not a traceback from inside a library. The
-    loaders (model.py, data.py) raise ValueError / OSError / RuntimeError with messages naming the file and row."""
+    loaders (hf.py, data.py) raise ValueError / OSError / RuntimeError with messages naming the file and row."""
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:

@@ -1,4 +1,4 @@
-"""The README's memory table: grpo.py's own estimate (model.memory_estimate, what every run prints at start and
+"""The README's memory table: grpo.py's own estimate (memory.memory_estimate, what every run prints at start and
 `--dry_run` prints alone) per GPU, for four model shapes at the README's GSM8K recipe, on 1 and 8 GPUs; then
 the README's single-GPU LoRA recipes for 3B and 8B.
 

@@ -1,4 +1,4 @@
-"""LoRA (model.py): the layer against a hand-written formula, adapters off == the base model bitwise, only adapters
+"""LoRA (lora.py): the layer against a hand-written formula, adapters off == the base model bitwise, only adapters
 train, the merged export against the adapted model and transformers, the adapter against peft (both directions),
 and a LoRA run of sft.py / grpo.py: its checkpoints hold the adapter alone, it resumes bitwise, N ranks == 1."""
 

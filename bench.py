@@ -50,7 +50,8 @@ import model
 import sampler
 from common import cxx_compiler
 from data import format_prompt, load_task
-from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
+from hf import char_tokenizer, load_model, load_tokenizer, save_model
+from model import ModelConfig, Transformer, preset_config
 from sampler import generate
 
 BATCH, NEW, VOCAB = 64, 128, 100

@@ -27,7 +27,7 @@ Sharded: under FSDP2 each rank writes and reads only its own shard of the weight
 (under DDP the replicated tensors are split among the ranks for writing); no rank ever builds the full state. DCP
 reshards on load, so a checkpoint written by N ranks loads on M ranks under none, DDP or FSDP2. The HF weights are a
 second copy, for eval.py / transformers / --init: gathered one tensor at a time, written by rank 0 in files of at
-most 2 GiB (model.save_model). Only tensors go into train_state/: optimizer hyperparameters come from the flags of
+most 2 GiB (hf.save_model). Only tensors go into train_state/: optimizer hyperparameters come from the flags of
 the resumed run (the LR from its schedule), and DCP's pickled metadata file is read through an allowlist.
 
 Atomic: everything is written into run/.tmp_step_N/, fsynced, renamed to run/step_N/, and `latest` is updated last;
@@ -66,7 +66,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import model as model_lib
 from common import (
     Dist,
     all_gather_list,
@@ -78,6 +77,8 @@ from common import (
     unwrap_model,
     user_input,
 )
+from hf import save_model
+from lora import lora_layers, save_adapter
 
 # the names a checkpoint dir holds besides the HF model files
 TRAIN_STATE = "train_state"  # DCP dir: {"model": weights, "optimizer": AdamW moments and step counts}
@@ -177,10 +178,10 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
     state, _ = _train_state(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
-    if model_lib.lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
-        model_lib.save_adapter(model, tmp, tokenizer)
+    if lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
+        save_adapter(model, tmp, tokenizer)
     else:
-        model_lib.save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
+        save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
     barrier()  # every rank's files are written and fsynced
     if d.is_main:
         if config is not None:
@@ -288,7 +289,7 @@ def publish_model(ckpt_dir, dst):
 def export_lora(model, tokenizer, out_dir, d: Dist):
     """Every rank (FSDP2 gathers): a LoRA run's result as OUT/model, the merged HF model dir (transformers, eval.py,
     --init), and OUT/adapter, the adapter alone in PEFT's format; each written to a tmp dir, then renamed."""
-    for name, save in (("model", model_lib.save_model), ("adapter", model_lib.save_adapter)):
+    for name, save in (("model", save_model), ("adapter", save_adapter)):
         dst = Path(out_dir) / name
         tmp = dst.with_name(f".tmp_{name}")
         if d.is_main:

@@ -420,14 +420,6 @@ def check_precision(dtype: str, weights_dtype: str):
         raise SystemExit("error: --weights_dtype bfloat16 needs --dtype bfloat16 (bf16 weights compute in bf16)")
 
 
-def lora_estimate_args(cfg) -> dict:
-    """memory_estimate's LoRA arguments from a run's --lora_* flags (none without --lora_rank)."""
-    if not cfg.lora_rank:
-        return {}
-    return dict(lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets, lora_dropout=cfg.lora_dropout,
-                base_bytes=DTYPES[cfg.lora_base_dtype].itemsize)
-
-
 def autocast(model: torch.nn.Module, dtype: str):
     """The context every forward of `model` runs in: training, the sampler and eval alike, so all three compute the
     same numbers. --dtype bfloat16 on one device or under DDP: torch.autocast, i.e. matmuls and attention in bf16
@@ -556,7 +548,7 @@ def stays_stopped(state: dict, max_minutes: float) -> bool:
 def user_input(what: str):
     """Bad input a user gave (a missing path, a model dir without weights, a truncated safetensors file, a malformed
     data row) becomes one line, `error: WHAT: reason`, and exit status 1, not a traceback from inside a library. The
-    loaders (model.py, data.py) raise ValueError / OSError / RuntimeError with messages naming the file and row."""
+    loaders (hf.py, data.py) raise ValueError / OSError / RuntimeError with messages naming the file and row."""
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:

@@ -54,7 +54,8 @@ from common import (
     user_input,
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs
-from model import load_adapter, load_model, load_tokenizer, merge_lora, stop_and_pad_ids
+from hf import load_model, load_tokenizer, stop_and_pad_ids
+from lora import load_adapter, merge_lora
 from sampler import generate
 
 

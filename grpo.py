@@ -61,7 +61,6 @@ from common import (
     free_main_objects,
     grad_sync,
     init_dist,
-    lora_estimate_args,
     lr_at,
     make_generator,
     micro_batches,
@@ -76,18 +75,9 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs
 from eval import evaluate
-from model import (
-    LORA_TARGETS,
-    adapters_off,
-    add_lora,
-    check_lora,
-    format_memory,
-    load_config,
-    load_model,
-    load_tokenizer,
-    memory_estimate,
-    stop_and_pad_ids,
-)
+from hf import load_config, load_model, load_tokenizer, stop_and_pad_ids
+from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
+from memory import format_memory, memory_estimate, memory_shapes
 from sampler import generate
 
 
@@ -595,35 +585,6 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
     }
 
 
-EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
-
-
-def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str) -> dict:
-    """memory_estimate's arguments for this run, at its worst case: prompts of prompt_len tokens
-    (the longest) and every completion --max_new_tokens long. The in-loop eval samples batches of 32
-    prompts, once each."""
-    gen_prompts = min(cfg.gen_batch, cfg.prompts_per_step // world)
-    eval_prompts = EVAL_BATCH if cfg.eval_every else 0
-    nbytes = DTYPES[cfg.weights_dtype].itemsize  # weights, gradients, AdamW moments
-    compute = DTYPES[cfg.dtype].itemsize  # activations, KV cache (autocast / FSDP2 mixed precision)
-    return dict(rows=cfg.prompts_per_step // world * cfg.group_size,
-                seq=prompt_len + cfg.max_new_tokens - 1,
-                max_rows=cfg.train_micro_batch,
-                max_tokens=cfg.micro_batch_tokens,
-                gen_rows=max(gen_prompts * cfg.group_size, eval_prompts),
-                gen_prompts=max(gen_prompts, eval_prompts),
-                prompt_len=prompt_len,
-                new_tokens=cfg.max_new_tokens,
-                param_bytes=nbytes,
-                compute_bytes=compute,
-                world_size=world,
-                dist=cfg.dist if world > 1 else "none",
-                activation_checkpointing=cfg.activation_checkpointing,
-                cpu=device_type == "cpu",
-                reference=cfg.beta > 0 and not cfg.lora_rank,
-                **lora_estimate_args(cfg))
-
-
 # -----------------------------------------------------------------------------
 
 
@@ -685,7 +646,7 @@ def main(argv=None):
         evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
     longest = max(map(len, prompt_ids + eval_ids))
-    shapes = memory_shapes(cfg, W, longest, d.device.type)
+    shapes = memory_shapes(cfg, "grpo", W, longest, d.device.type)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()

@@ -95,7 +95,6 @@ from common import (
     free_main_objects,
     grad_sync,
     init_dist,
-    lora_estimate_args,
     lr_at,
     micro_batches,
     parse_config,
@@ -108,6 +107,9 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
 from eval import evaluate
+from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
+from lora import LORA_TARGETS, add_lora, check_lora
+from memory import format_memory, memory_estimate, memory_shapes
 
 
 @dataclass
@@ -131,7 +133,7 @@ class SFTConfig:
                           "fine-tuning)")
     lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
     lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
-    lora_targets: tuple[str, ...] = flag(model_lib.LORA_TARGETS,
+    lora_targets: tuple[str, ...] = flag(LORA_TARGETS,
                                          "projections that get adapters (comma list)")
     lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
                                 choices=["float32", "bfloat16"])
@@ -280,31 +282,6 @@ def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
             "more SFT has beaten GRPO (and lost to it: docs/demo.md); run again with more --steps (it resumes)")
 
 
-EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
-
-
-def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, device_type: str) -> dict:
-    """memory_estimate's arguments for this run, at its worst case: every row as long as the longest
-    (seq tokens); the in-loop eval samples batches of 32 prompts of eval_prompt_len tokens, once
-    each, --max_new_tokens long."""
-    eval_prompts = EVAL_BATCH if cfg.eval_every else 0
-    return dict(rows=cfg.global_batch // world,
-                seq=seq,
-                max_rows=cfg.micro_batch,
-                max_tokens=cfg.micro_batch_tokens,
-                gen_rows=eval_prompts,
-                gen_prompts=eval_prompts,
-                prompt_len=eval_prompt_len,
-                new_tokens=cfg.max_new_tokens,
-                param_bytes=DTYPES[cfg.weights_dtype].itemsize,
-                compute_bytes=DTYPES[cfg.dtype].itemsize,
-                world_size=world,
-                dist=cfg.dist if world > 1 else "none",
-                activation_checkpointing=cfg.activation_checkpointing,
-                cpu=device_type == "cpu",
-                **lora_estimate_args(cfg))
-
-
 # -----------------------------------------------------------------------------
 
 
@@ -327,7 +304,7 @@ def main(argv=None):
     check_precision(cfg.dtype, cfg.weights_dtype)
     if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
         with user_input("--lora_*"):
-            model_lib.check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+            check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
 
     # --- data (checked first: a typo in --task should fail before any model is built) -------------
     # a missing file, a malformed row (named by file and line), a bad split or knob
@@ -344,10 +321,10 @@ def main(argv=None):
             raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json "
                              "and *.safetensors)")
         with user_input("--init"):  # a bad config.json, no tokenizer, ...
-            model_cfg = model_lib.load_config(path, cfg.size_limits)
-            tok = model_lib.load_tokenizer(path)
+            model_cfg = load_config(path, cfg.size_limits)
+            tok = load_tokenizer(path)
     else:
-        tok = model_lib.char_tokenizer()
+        tok = char_tokenizer()
         with user_input("--model_overrides"):  # a typo, a string where a size goes, a config bomb
             special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
@@ -356,7 +333,7 @@ def main(argv=None):
             if cfg.size_limits:
                 model_lib.check_size(model_cfg)
     with user_input("--init"):  # a model directory without any stop token
-        eos_ids, pad_id = model_lib.stop_and_pad_ids(tok, model_cfg)
+        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
     eos_id = eos_ids[0]  # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
 
     # --- examples, tokenized once: examples[i] = (ids, labels) ------------------------------------
@@ -381,8 +358,8 @@ def main(argv=None):
                          f"--max_new_tokens={cfg.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={max_len}: lower --max_new_tokens")
     # the memory this run needs; a training row is the longest example shifted by one
-    shapes = memory_shapes(cfg, W, longest - 1, longest_eval, d.device.type)
-    print0(model_lib.format_memory(model_lib.memory_estimate(model_cfg, **shapes)))
+    shapes = memory_shapes(cfg, "sft", W, longest_eval, d.device.type, seq=longest - 1)
+    print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
     resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
@@ -393,15 +370,15 @@ def main(argv=None):
         # a truncated safetensors file, a config that does not fit the weights, ...
         with user_input("--init"):
             dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else DTYPES[cfg.weights_dtype]
-            model = model_lib.load_model(path, device=d.device, dtype=dtype,
-                                         size_limits=cfg.size_limits)
+            model = load_model(path, device=d.device, dtype=dtype,
+                               size_limits=cfg.size_limits)
     else:
         model = model_lib.Transformer(model_cfg).to(d.device, DTYPES[cfg.weights_dtype])
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
-            model_lib.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                               cfg.lora_targets, seed=cfg.seed,
-                               base_dtype=DTYPES[cfg.lora_base_dtype], base=cfg.init)
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                     cfg.lora_targets, seed=cfg.seed,
+                     base_dtype=DTYPES[cfg.lora_base_dtype], base=cfg.init)
     seed_all(cfg.seed, d.rank)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

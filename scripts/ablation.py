@@ -108,7 +108,7 @@ def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
     from data import load_task, parse_knobs
     from eval import evaluate
     from grpo import GRPOConfig
-    from model import load_model, load_tokenizer
+    from hf import load_model, load_tokenizer
 
     cfg = parse_config(GRPOConfig, run_flags)
     knobs = parse_knobs(cfg.task_knobs)

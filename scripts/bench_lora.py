@@ -17,12 +17,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
 from data import parse_knobs  # noqa: E402
+from lora import add_lora, lora_layers  # noqa: E402
 from sampler import generate  # noqa: E402
 
 
 def merged_rollout(model, prompts, args):
     """Merge once, sample, restore the base bitwise from a copy: what a merge-per-rollout sampler would pay."""
-    layers = M.lora_layers(model).values()
+    layers = lora_layers(model).values()
     saved = [m.weight.detach().clone() for m in layers]
     with torch.no_grad():
         for m in layers:
@@ -49,7 +50,7 @@ def main():
     torch.set_flush_denormal(True)  # as the training scripts do
     torch.manual_seed(0)
     model = M.Transformer(M.preset_config(args.preset, 100, **parse_knobs(args.overrides))).eval()
-    M.add_lora(model, args.rank, 2.0 * args.rank)
+    add_lora(model, args.rank, 2.0 * args.rank)
     prompts = [list(range(1, 20 + i)) for i in range(args.prompts)]
     plain = lambda: generate(model, prompts, args.new_tokens, num_samples=args.group, eos_ids=[], temperature=1.0,
                              generator=torch.Generator().manual_seed(0))

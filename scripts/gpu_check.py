@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from model import ModelConfig, Transformer, char_tokenizer, save_model  # noqa: E402
+from hf import char_tokenizer, save_model  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
 from sampler import generate  # noqa: E402
 
 QWEN = dict(model_type="qwen2", vocab_size=151_936, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -86,7 +87,7 @@ def timed(fn, device) -> float:
 def check_logits(name, path, device, tiny) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from model import load_model
+    from hf import load_model
 
     ours = load_model(path, device=device)  # fp32 weights, as the trainers hold them
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -123,7 +124,7 @@ def decode_bytes(cfg: ModelConfig, n_params: int, batch: int, context: float) ->
 def bench_sampler(name, path, device, tiny, hbm_gbs) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from model import load_model
+    from hf import load_model
 
     ours = load_model(path, device=device)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -160,7 +161,7 @@ def _bench(name, ours, hf, B, device, tiny, hbm_gbs) -> dict:
 
 
 def bench_decode_modes(name, path, device, tiny) -> list[dict]:
-    from model import load_model
+    from hf import load_model
 
     model = load_model(path, device=device)
     P, G, L, new = (2, 2, 8, 8) if tiny else (8, 8, 64, 128)

@@ -55,14 +55,15 @@ def main():
     import torch
 
     import model as model_lib
+    from hf import char_tokenizer, save_model
 
     work = Path(args.work_dir)
     model_dir = work / f"model_{args.shape}"
     if not (model_dir / "config.json").is_file():  # built once, in this (parent) process
         torch.manual_seed(0)
-        tok = model_lib.char_tokenizer()
+        tok = char_tokenizer()
         cfg = model_lib.ModelConfig(**SHAPES[args.shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        model_lib.save_model(model_lib.Transformer(cfg), model_dir, tok)
+        save_model(model_lib.Transformer(cfg), model_dir, tok)
     run_dir = work / "run"
     flags = ["--init", str(model_dir), "--out_dir", str(run_dir), "--overwrite", "--steps", str(args.steps),
              "--prompts_per_step", str(args.prompts), "--group_size", str(args.group_size), "--gen_batch",

@@ -1,4 +1,4 @@
-"""The README's memory table: grpo.py's own estimate (model.memory_estimate, what every run prints at start and
+"""The README's memory table: grpo.py's own estimate (memory.memory_estimate, what every run prints at start and
 `--dry_run` prints alone) per GPU, for four model shapes at the README's GSM8K recipe, on 1 and 8 GPUs; then
 the README's single-GPU LoRA recipes for 3B and 8B.
 
@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpo  # noqa: E402
 from common import parse_config  # noqa: E402
-from model import ModelConfig, lora_param_count, memory_estimate, param_count  # noqa: E402
+from memory import lora_param_count, memory_estimate, memory_shapes, param_count  # noqa: E402
+from model import ModelConfig  # noqa: E402
 
 SHAPES = {
     "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151_936, hidden_size=896, intermediate_size=4864,
@@ -51,7 +52,7 @@ def main():
         cfg = ModelConfig(**shape)
         cells = []
         for world, flags in [(1, recipe), (1, budget), (8, recipe), (8, budget)]:
-            est = memory_estimate(cfg, **grpo.memory_shapes(flags, world, args.prompt_len, "cuda"))
+            est = memory_estimate(cfg, **memory_shapes(flags, "grpo", world, args.prompt_len, "cuda"))
             phase = {"generation": "gen", "training": "train", "optimizer step": "step"}[est["phase"]]
             cells.append(f"{est['peak'] / 1e9:.1f} ({phase})")
         print(f"| {name} | {param_count(cfg) / 1e9:.2f}B | " + " | ".join(cells) + " |")
@@ -76,9 +77,9 @@ def lora_table(prompt_len: int):
     for name, flags in LORA_RECIPES.items():
         cfg = ModelConfig(**SHAPES[name])
         run = parse_config(grpo.GRPOConfig, flags.split())
-        est = memory_estimate(cfg, **grpo.memory_shapes(run, 1, prompt_len, "cuda"))
+        est = memory_estimate(cfg, **memory_shapes(run, "grpo", 1, prompt_len, "cuda"))
         full = replace(run, lora_rank=0, weights_dtype="float32")
-        full_est = memory_estimate(cfg, **grpo.memory_shapes(full, 1, prompt_len, "cuda"))
+        full_est = memory_estimate(cfg, **memory_shapes(full, "grpo", 1, prompt_len, "cuda"))
         p = lora_param_count(cfg, run.lora_rank, run.lora_targets)
         base = est["weights"] - 4 * p
         gb = lambda x: f"{x / 1e9:.1f}"

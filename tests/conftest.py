@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from model import Transformer, char_tokenizer, preset_config, save_model
+from hf import char_tokenizer, save_model
+from model import Transformer, preset_config
 
 
 @pytest.fixture(scope="session")

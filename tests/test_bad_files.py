@@ -83,12 +83,12 @@ def test_config_bombs_allocate_nothing(broken):
     """Each bomb is refused by config.json's checks alone: peak memory grows by < 100 MB (the time is printed, not
     asserted: the machine is shared)."""
     names = ["layers_20000", "layers_1e9", "hidden_1e9"]
-    code = ("import json, resource, sys, time, model\n"
+    code = ("import json, resource, sys, time, hf\n"
             "out = {}\n"
             "for path in sys.argv[1:]:\n"
             "    rss, t = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()\n"
             "    try:\n"
-            "        model.load_model(path)\n"
+            "        hf.load_model(path)\n"
             "    except ValueError:\n"
             "        pass\n"
             "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"

@@ -15,7 +15,8 @@ import torch
 
 import grpo
 import sft
-from model import Transformer, char_tokenizer, preset_config, save_model
+from hf import char_tokenizer, save_model
+from model import Transformer, preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = ["--split", "train[:64]", "--eval_split", "test[:4]", "--prompts_per_step", "4", "--group_size", "4",

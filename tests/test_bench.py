@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bench
-from model import load_tokenizer
+from hf import load_tokenizer
 
 
 def toy_config(tmp_path):

@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import checkpoint
 import common
 import model as model_lib
+from hf import char_tokenizer, load_model, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def _tiny(layers=1):
-    tok = model_lib.char_tokenizer()
+    tok = char_tokenizer()
     cfg = model_lib.preset_config("tiny", len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return model_lib.Transformer(cfg), tok
@@ -89,7 +90,7 @@ def test_checkpoint_roundtrip(tmp_path):
     assert {p.name for p in (tmp_path / "model").iterdir()} >= {"config.json", "model.safetensors"}
     assert not list((tmp_path / "model").glob("*.pt")) and not (tmp_path / "model" / "train_state").exists()
     x = torch.randint(0, 50, (1, 6))
-    assert torch.allclose(model_lib.load_model(tmp_path / "model")(x), model(x))
+    assert torch.allclose(load_model(tmp_path / "model")(x), model(x))
 
 
 def test_metadata_is_read_through_an_allowlist(tmp_path):
@@ -160,17 +161,17 @@ def test_hf_export_in_several_files_loads_in_transformers(tmp_path):
 
     torch.manual_seed(0)
     model, tok = _tiny(layers=2)
-    model_lib.save_model(model, tmp_path, tok, max_file_bytes=40_000)  # a few tensors per file
+    save_model(model, tmp_path, tok, max_file_bytes=40_000)  # a few tensors per file
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert (tmp_path / "model.safetensors.index.json").is_file()
     x = torch.randint(0, 50, (2, 7))
     want = model(x)
-    assert torch.equal(model_lib.load_model(tmp_path)(x), want)
+    assert torch.equal(load_model(tmp_path)(x), want)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, want, atol=1e-5)
-    model_lib.save_model(model, tmp_path, tok)  # saved again as one file: no stale shard or index is left behind
+    save_model(model, tmp_path, tok)  # saved again as one file: no stale shard or index is left behind
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
 
 
@@ -180,9 +181,10 @@ def test_hf_export_in_several_files_loads_in_transformers(tmp_path):
 _WORKER = r"""
 import sys, torch
 import checkpoint, common, model as M
+from hf import char_tokenizer
 mode, action, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 d = common.init_dist()
-tok = M.char_tokenizer()
+tok = char_tokenizer()
 cfg = M.preset_config("tiny", len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 torch.manual_seed(0)  # the same init on every rank
@@ -244,5 +246,5 @@ def test_state_loads_bitwise_at_another_world_size(saved, tmp_path, save, load):
     a, b = saved_state(ckpt, tmp_path), saved_state(dst / "step_000003", tmp_path)
     assert a["optimizer"]["layers.0.mlp.up_proj.weight"]["exp_avg"].abs().sum() > 0  # real optimizer state
     assert_equal_states(a, b)
-    hf = model_lib.load_model(ckpt).state_dict()
+    hf = load_model(ckpt).state_dict()
     assert all(torch.equal(hf[k], a["model"][k]) for k in hf)

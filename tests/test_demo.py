@@ -30,7 +30,7 @@ def test_demo_in_miniature(tmp_path):
     # the SFT model is an ordinary HF directory: transformers loads it and computes the same logits as model.py
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model import load_model
+    from hf import load_model
 
     hf = AutoModelForCausalLM.from_pretrained(runs / "sft" / "model").eval()
     tok = AutoTokenizer.from_pretrained(runs / "sft" / "model")

@@ -12,6 +12,7 @@ import torch
 
 import eval as evaluation
 import model as model_lib
+from hf import char_tokenizer, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,14 +67,14 @@ def test_summary_on_a_constructed_case():
 def tiny_model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_model")
     torch.manual_seed(0)
-    tok = model_lib.char_tokenizer()
+    tok = char_tokenizer()
     cfg = model_lib.preset_config("tiny", len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id)
     model = model_lib.Transformer(cfg)
     with torch.no_grad():  # make EOS likely so completions have varied lengths (some stop, some are truncated)
         model.lm_head.weight[tok.eos_token_id] += 0.15 * torch.randn(32)
-    model_lib.save_model(model, d, tok)
+    save_model(model, d, tok)
     return d
 
 

@@ -176,7 +176,7 @@ def test_dr_grpo_filtering_zero_std_groups_changes_nothing(tiny_dir, tmp_path):
 
 
 def _tiny_rollout(tiny_dir, **kw):
-    from model import load_model, load_tokenizer
+    from hf import load_model, load_tokenizer
 
     model, tok = load_model(tiny_dir), load_tokenizer(tiny_dir)
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, **kw)

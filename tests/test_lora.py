@@ -1,4 +1,4 @@
-"""LoRA (model.py): the layer against a hand-written formula, adapters off == the base model bitwise, only adapters
+"""LoRA (lora.py): the layer against a hand-written formula, adapters off == the base model bitwise, only adapters
 train, the merged export against the adapted model and transformers, the adapter against peft (both directions),
 and a LoRA run of sft.py / grpo.py: its checkpoints hold the adapter alone, it resumes bitwise, N ranks == 1."""
 
@@ -17,16 +17,28 @@ import eval as eval_script
 import grpo
 import model as M
 import sft
+from hf import load_model, save_model
+from lora import (
+    ADAPTER_PREFIX,
+    LORA_TARGETS,
+    LoRALinear,
+    adapters_off,
+    add_lora,
+    load_adapter,
+    lora_layers,
+    merge_lora,
+    save_adapter,
+)
 
-ALL = M.LORA_TARGETS
+ALL = LORA_TARGETS
 
 
 def lora_model(path, rank=4, targets=ALL, seed=1):
     """The model in `path` with adapters whose B is random too (a fresh B = 0 would hide any mistake in B's use)."""
-    model = M.add_lora(M.load_model(path), rank, alpha=2.0 * rank, targets=targets, seed=seed, base=str(path))
+    model = add_lora(load_model(path), rank, alpha=2.0 * rank, targets=targets, seed=seed, base=str(path))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for m in M.lora_layers(model).values():
+        for m in lora_layers(model).values():
             m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
     return model
 
@@ -64,7 +76,7 @@ def test_layer_output_and_gradients_match_the_formula():
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 5, bias=True).requires_grad_(False)
     W, b = base.weight.clone(), base.bias.clone()
-    layer = M.LoRALinear(base, rank=3, alpha=6.0, dropout=0.0, generator=torch.Generator().manual_seed(0))
+    layer = LoRALinear(base, rank=3, alpha=6.0, dropout=0.0, generator=torch.Generator().manual_seed(0))
     assert torch.equal(layer.lora_B.weight, torch.zeros(5, 3))  # a fresh adapter changes nothing ...
     bound = 1 / 6**0.5
     A = layer.lora_A.weight
@@ -89,7 +101,7 @@ def test_bad_settings_are_refused(tiny_dir):
     for kw in (dict(rank=0, alpha=1.0), dict(rank=4, alpha=1.0, dropout=1.0),
                dict(rank=4, alpha=1.0, targets=("q_proj", "qproj"))):
         with pytest.raises(ValueError, match="bad LoRA settings"):
-            M.add_lora(M.load_model(tiny_dir), **kw)
+            add_lora(load_model(tiny_dir), **kw)
 
 
 # -----------------------------------------------------------------------------
@@ -97,20 +109,20 @@ def test_bad_settings_are_refused(tiny_dir):
 
 
 def test_adapters_off_is_the_base_model_exactly(base_dir):
-    base = M.load_model(base_dir)
+    base = load_model(base_dir)
     model = lora_model(base_dir)
     x = tokens(base.config.vocab_size)
     with torch.no_grad():
         ref = base(x)
         assert not torch.allclose(model(x), ref, atol=1e-3)  # the adapters do something ...
-        with M.adapters_off(model):
+        with adapters_off(model):
             assert torch.equal(model(x), ref)  # ... and switched off, the base exactly (the KL reference)
             assert torch.equal(model(x, targets=x)[0], base(x, targets=x)[0])
         assert not torch.allclose(model(x), ref, atol=1e-3)  # on again afterwards
 
 
 def test_only_adapters_change_in_a_training_step(tiny_dir):
-    model = M.add_lora(M.load_model(tiny_dir), 4, 8.0, dropout=0.1, seed=0)
+    model = add_lora(load_model(tiny_dir), 4, 8.0, dropout=0.1, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trained = [p for p in model.parameters() if p.requires_grad]
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
@@ -129,7 +141,7 @@ def test_only_adapters_change_in_a_training_step(tiny_dir):
 def test_dropout_under_activation_checkpointing_gives_the_same_gradients(tiny_dir):
     """The recompute in backward replays the forward's dropout masks (else the gradient is of another mask)."""
     plain = lora_model(tiny_dir)
-    for m in M.lora_layers(plain).values():
+    for m in lora_layers(plain).values():
         m.dropout = torch.nn.Dropout(0.5)
     plain.layers[0].draws_random = plain.layers[1].draws_random = True  # what add_lora sets for dropout > 0
     ckpt = copy.deepcopy(plain).set_activation_checkpointing(True)
@@ -151,15 +163,15 @@ def test_merged_export_matches_adapted_model_and_transformers(base_dir, tmp_path
     monkeypatch.setattr(M, "ONEDNN", False)
 
     model = lora_model(base_dir)
-    M.save_model(model, tmp_path / "merged")
+    save_model(model, tmp_path / "merged")
     x = tokens(model.config.vocab_size)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
     with torch.no_grad():
         want = model(x)
-        assert (M.load_model(tmp_path / "merged")(x) - want).abs().max() <= 1e-5
+        assert (load_model(tmp_path / "merged")(x) - want).abs().max() <= 1e-5
         assert (hf(x).logits - want).abs().max() <= 1e-4  # transformers vs model.py: test_model.py's tolerance
-    merged = M.merge_lora(copy.deepcopy(model))  # what eval.py --lora_merge does, in memory
-    assert not M.lora_layers(merged)
+    merged = merge_lora(copy.deepcopy(model))  # what eval.py --lora_merge does, in memory
+    assert not lora_layers(merged)
     assert (merged(x) - want).abs().max() <= 1e-5
 
 
@@ -168,7 +180,7 @@ def test_peft_loads_our_adapter_and_we_load_peft_s(base_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = lora_model(base_dir, targets=("q_proj", "v_proj", "down_proj"))
-    M.save_adapter(model, tmp_path / "ours")
+    save_adapter(model, tmp_path / "ours")
     names = set(load_file(tmp_path / "ours" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in names and len(names) == 2 * 3 * 2
     x = tokens(model.config.vocab_size)
@@ -182,16 +194,16 @@ def test_peft_loads_our_adapter_and_we_load_peft_s(base_dir, tmp_path):
     cfg = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj", "o_proj", "up_proj"], init_lora_weights=False)
     theirs = peft.get_peft_model(hf, cfg).eval()
     theirs.save_pretrained(tmp_path / "theirs")
-    loaded = M.load_adapter(M.load_model(base_dir), tmp_path / "theirs")
+    loaded = load_adapter(load_model(base_dir), tmp_path / "theirs")
     with torch.no_grad():
         assert (loaded(x) - theirs(x).logits).abs().max() <= 1e-4
-        assert (M.load_model(base_dir)(x) - theirs(x).logits).abs().max() > 1e-3  # the adapter mattered
+        assert (load_model(base_dir)(x) - theirs(x).logits).abs().max() > 1e-3  # the adapter mattered
 
 
 def test_an_adapter_for_another_base_is_refused(tiny_dir, qwen_dir, tmp_path):
-    M.save_adapter(lora_model(tiny_dir), tmp_path / "a")
+    save_adapter(lora_model(tiny_dir), tmp_path / "a")
     with pytest.raises(ValueError, match="do not fit this base model"):
-        M.load_adapter(M.load_model(qwen_dir), tmp_path / "a")
+        load_adapter(load_model(qwen_dir), tmp_path / "a")
 
 
 # -----------------------------------------------------------------------------
@@ -222,14 +234,14 @@ def test_sft_lora_saves_only_the_adapter_and_exports_merged_and_peft(tiny_dir, s
     ckpt = out / "step_000006"
     assert not list(ckpt.glob("model*.safetensors")) and (ckpt / "adapter_model.safetensors").is_file()
     state = train_state(ckpt)
-    lora_keys = {k for k in M.add_lora(M.load_model(tiny_dir), 4, 8.0).state_dict() if ".lora_" in k}
+    lora_keys = {k for k in add_lora(load_model(tiny_dir), 4, 8.0).state_dict() if ".lora_" in k}
     assert set(state["model"]) == set(state["optimizer"]) == lora_keys  # the adapters and their AdamW moments
     # OUT/adapter (PEFT) and OUT/model (merged): non-target weights are the base's bitwise, targets W + s B A
-    base = M.load_model(tiny_dir).state_dict()
-    adapter = {k.removeprefix(M.ADAPTER_PREFIX): v for k, v in
+    base = load_model(tiny_dir).state_dict()
+    adapter = {k.removeprefix(ADAPTER_PREFIX): v for k, v in
                load_file(out / "adapter" / "adapter_model.safetensors").items()}
     assert all(torch.equal(adapter[k], state["model"][k]) for k in lora_keys)
-    merged = M.load_model(out / "model").state_dict()
+    merged = load_model(out / "model").state_dict()
     for k, w in base.items():
         if ".lora_" in k:
             continue

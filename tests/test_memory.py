@@ -17,6 +17,8 @@ import common
 import grpo
 import model as M
 import sft
+from lora import LORA_TARGETS, add_lora
+from memory import block_activation_bytes, lora_activation_bytes, lora_param_count, memory_estimate, param_count
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -253,13 +255,13 @@ def test_estimate_counts_what_autograd_saves(kw):
     keeps for backward in one block (fp32; GQA and MHA): a 3-block model's saved bytes minus a 2-block one's."""
     cfg = M.ModelConfig(**{**CFG, **kw})
     model = _model(**kw)
-    assert M.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
     x = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     three, _ = _saved_bytes(lambda: model(x), exclude=params)
     model.layers = model.layers[:2]
     two, _ = _saved_bytes(lambda: model(x), exclude=params)
-    want = M.block_activation_bytes(cfg, 3 * 40, 4)
+    want = block_activation_bytes(cfg, 3 * 40, 4)
     assert abs((three - two) - want) <= 0.02 * want, (three - two, want)
 
 
@@ -268,20 +270,20 @@ def test_lora_estimate_counts_what_autograd_saves(dropout):
     """The LoRA terms against the real thing: add_lora's adapter count, and one adapted block's saved bytes (fp32;
     exact without dropout, an upper bound within 35% with it)."""
     cfg = M.ModelConfig(**CFG)
-    targets = ("q_proj", "v_proj", "o_proj", "down_proj") if dropout else M.LORA_TARGETS
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj") if dropout else LORA_TARGETS
     x = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
     saved = []
     for layers in (3, 2):
         model = _model()
         model.layers = model.layers[:layers]
-        M.add_lora(model, 4, 8.0, dropout, targets)
+        add_lora(model, 4, 8.0, dropout, targets)
         if layers == 3:
             adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            assert M.lora_param_count(cfg, 4, targets) == adapters
+            assert lora_param_count(cfg, 4, targets) == adapters
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved.append(_saved_bytes(lambda m=model: m(x), exclude=params)[0])
     got = saved[0] - saved[1]
-    want = M.block_activation_bytes(cfg, 120, 4) + M.lora_activation_bytes(cfg, 120, 4, 4, targets, dropout)
+    want = block_activation_bytes(cfg, 120, 4) + lora_activation_bytes(cfg, 120, 4, 4, targets, dropout)
     if dropout:
         assert got <= want <= 1.35 * got, (got, want)
     else:
@@ -294,11 +296,11 @@ def test_lora_estimate_trains_only_the_adapters():
                            "tie_word_embeddings": True})  # Llama-3.2-3B's shape
     base = dict(rows=16, seq=700, max_rows=2, gen_rows=32, gen_prompts=4, prompt_len=200, new_tokens=512,
                 cpu=False, compute_bytes=2)  # the README's 3B LoRA recipe
-    full = M.memory_estimate(cfg, **base, reference=True)
-    lora = M.memory_estimate(cfg, **base, lora_rank=16, base_bytes=2)
-    p = M.lora_param_count(cfg, 16)
+    full = memory_estimate(cfg, **base, reference=True)
+    lora = memory_estimate(cfg, **base, lora_rank=16, base_bytes=2)
+    p = lora_param_count(cfg, 16)
     assert 24e6 < p < 25e6  # rank 16 on all seven projections of the 3B
-    assert lora["weights"] == 2 * M.param_count(cfg) + 4 * p
+    assert lora["weights"] == 2 * param_count(cfg) + 4 * p
     assert lora["gradients"] == 4 * p and lora["optimizer"] == 8 * p and lora["reference"] == 0
     assert full["peak"] > 60e9 > 20e9 > lora["peak"]  # full: + fp32 master weights, gradients, AdamW, reference
 
@@ -308,13 +310,13 @@ def test_estimate_scales_with_the_flags():
                            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
                            "tie_word_embeddings": True})
     base = dict(rows=64, seq=700, gen_rows=128, gen_prompts=8, prompt_len=200, new_tokens=500, cpu=False)
-    one = M.memory_estimate(cfg, **base)
-    assert one["weights"] == 4 * M.param_count(cfg) and one["optimizer"] == 2 * one["weights"]
-    ckpt = M.memory_estimate(cfg, **base, activation_checkpointing=True)
+    one = memory_estimate(cfg, **base)
+    assert one["weights"] == 4 * param_count(cfg) and one["optimizer"] == 2 * one["weights"]
+    ckpt = memory_estimate(cfg, **base, activation_checkpointing=True)
     assert ckpt["activations"] < one["activations"] / 5 and ckpt["activations_other"] == one["activations"]
-    budget = M.memory_estimate(cfg, **base, max_tokens=8 * 700)  # 8 rows per micro-batch instead of 64
+    budget = memory_estimate(cfg, **base, max_tokens=8 * 700)  # 8 rows per micro-batch instead of 64
     assert budget["activations"] < one["activations"] / 6
-    fsdp = M.memory_estimate(cfg, **base, world_size=8, dist="fsdp")
+    fsdp = memory_estimate(cfg, **base, world_size=8, dist="fsdp")
     assert fsdp["optimizer"] == one["optimizer"] / 8 and fsdp["peak"] < one["peak"]
     assert one["kv_cache"] == 2 * 24 * 2 * 64 * 4 * (128 * 700 + 8 * 200)  # layers x (k, v) x heads x dim x fp32
 

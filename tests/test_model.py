@@ -20,7 +20,8 @@ from transformers import (
 )
 
 import model as M
-from model import ModelConfig, Transformer, char_tokenizer, load_model, load_tokenizer, preset_config, save_model
+from hf import char_tokenizer, load_model, load_tokenizer, save_model
+from model import ModelConfig, Transformer, preset_config
 
 SIZES = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=128)

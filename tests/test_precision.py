@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 import common
 import grpo
 import sft
-from model import Transformer, char_tokenizer, load_model, preset_config, save_model
+from hf import char_tokenizer, load_model, save_model
+from model import Transformer, preset_config
 
 # 20 AdamW steps at lr 1e-6: each weight moves ~2e-5, far above fp32's resolution at 0.02 (~2e-9) and far below
 # bf16's (~1e-4; 0.008 at the norms' 1.0)

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import model as M
 import sampler
-from model import ModelConfig, Transformer, save_model
+from hf import save_model
+from model import ModelConfig, Transformer
 from sampler import generate, sample
 
 V = 53
@@ -415,7 +416,7 @@ def test_fused_step_with_onednn_packed_weights(monkeypatch):
 def test_fused_step_falls_back_to_the_forward(monkeypatch):
     # where fused_layers returns None, generate(fused=True) decodes with the forward: LoRA, bf16 weights, autocast,
     # weight copies over FUSED_MAX_BYTES
-    from model import add_lora
+    from lora import add_lora
 
     model = tiny_model(1)
     assert sampler.fused_layers(model) is not None

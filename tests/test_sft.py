@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import model as model_lib
 import sft
+from hf import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # a short run: 6 steps of 8 sequences, an in-loop eval at steps 3 and 6 on 6 held-out problems (exercises
@@ -79,7 +80,7 @@ def test_two_processes_match_one(single_run, tmp_path, mode):
         assert a.get("eval_pass1") == b.get("eval_pass1")
     # the final weights agree too, and the step-4 checkpoint was kept (keep=2) next to the final one
     assert (out / "latest").read_text().strip() == "step_000006" and (out / "step_000004").is_dir()
-    w_ref, w = model_lib.load_model(single_run / "model").state_dict(), model_lib.load_model(out / "model").state_dict()
+    w_ref, w = load_model(single_run / "model").state_dict(), load_model(out / "model").state_dict()
     for k in w_ref:
         assert torch.allclose(w_ref[k], w[k], atol=1e-5), k
 
@@ -94,7 +95,7 @@ def test_output_loads_in_transformers(single_run):
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     x = torch.tensor([tok.encode("What is 12+34-5?\n<think>")])
     with torch.no_grad():
-        assert torch.allclose(hf(x).logits, model_lib.load_model(d)(x), atol=1e-4)
+        assert torch.allclose(hf(x).logits, load_model(d)(x), atol=1e-4)
     assert tok.decode(tok.encode("12+34=46</think>")) == "12+34=46</think>"
 
 

@@ -16,7 +16,8 @@ import eval as eval_lib
 import grpo
 import rewards
 import sft
-from model import Transformer, load_model, load_tokenizer, preset_config, save_model, stop_and_pad_ids
+from hf import load_model, load_tokenizer, save_model, stop_and_pad_ids
+from model import Transformer, preset_config
 
 LLAMA_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
               "{{ m['content'] }}<|eot_id|>{% endfor %}"

@@ -18,7 +18,7 @@ Metrics (per problem with n samples of which c are correct, averaged over proble
   pass@k = 1 - C(n - c, k) / C(n, k)  (Chen et al. 2021; equals c / n for k = 1)
   maj@k  = the most frequent rewards.extract_answer among the first k samples is right (samples without an
            answer do not vote; ties go to the answer that appeared first, so the vote is deterministic)
-Simplifications: no per-problem generators (a batch shares one), no answer-equivalence beyond rewards.py's.
+Simplifications: no per-problem generators (a batch shares one), no answer-equivalence beyond verifier.py's.
 """
 
 import json
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 
 import rewards
+import verifier
 from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
 from common import (
     DTYPES,
@@ -129,7 +130,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
     for k in sorted(set(pass_k)):
         if 1 < k <= n_samples:
             votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]["gold"]) for g in groups]
-            hits = [v is not None and rewards.answers_match(v, gold, tolerance) for v, gold in votes]
+            hits = [v is not None and verifier.answers_match(v, gold, tolerance) for v, gold in votes]
             out[f"maj@{k}"] = sum(hits) / len(groups)
     for key in ("correct", "format", "reward"):
         out[key] = sum(r[key] for r in records) / len(records)

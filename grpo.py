@@ -95,101 +95,104 @@ from sampler import generate
 class GRPOConfig:
     """GRPO from an HF model dir: sample G completions per prompt, score them, update on group
     advantages."""
-    # model and data
-    init: str = flag("runs/sft/model", "HF model dir to start from")
+    init: str = flag("runs/sft/model", "HF model dir to start from", section="model and data")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
-                             "MAX_PARAMS); false lifts them")
-    task: str = flag("arith", "task: arith | gsm8k | math")
-    split: str = flag("train[5%:]", "training problems (answers only are used)")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
-    task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'")
-    template: str = flag("short", "prompt template", choices=["short", "r1", "chat"])
-    eval_split: str = flag("test[:200]", "held-out problems for in-loop eval")
-    out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)")
-    # LoRA (off by default: every weight trains)
+                             "MAX_PARAMS); false lifts them", section="model and data")
+    task: str = flag("arith", "task: arith | gsm8k | math", section="model and data")
+    split: str = flag("train[5%:]", "training problems (answers only are used)", section="model and data")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="model and data")
+    task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'", section="model and data")
+    template: str = flag("short", "prompt template", choices=["short", "r1", "chat"], section="model and data")
+    eval_split: str = flag("test[:200]", "held-out problems for in-loop eval", section="model and data")
+    out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)", section="model and data")
+
     lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base; the KL "
-                          "reference is the base itself (0 = off)")
-    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
-    lora_targets: tuple[str, ...] = flag(LORA_TARGETS, "projections that get adapters (comma list)")
+                          "reference is the base itself (0 = off)",
+                          section="LoRA (off by default: every weight trains)")
+    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r",
+                             section="LoRA (off by default: every weight trains)")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)",
+                               section="LoRA (off by default: every weight trains)")
+    lora_targets: tuple[str, ...] = flag(LORA_TARGETS, "projections that get adapters (comma list)",
+                                         section="LoRA (off by default: every weight trains)")
     lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
-                                choices=["float32", "bfloat16"])
-    # GRPO
-    prompts_per_step: int = flag(16, "prompts per step, over all ranks")
-    group_size: int = flag(8, "G: completions sampled per prompt")
-    max_new_tokens: int = flag(64, "completion length limit")
-    temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)")
-    top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)")
-    top_k: int = flag(0, "top-k sampling (0 = off)")
-    gen_batch: int = flag(8, "prompts per sampler call (x G rows)")
+                                choices=["float32", "bfloat16"], section="LoRA (off by default: every weight trains)")
+
+    prompts_per_step: int = flag(16, "prompts per step, over all ranks", section="GRPO")
+    group_size: int = flag(8, "G: completions sampled per prompt", section="GRPO")
+    max_new_tokens: int = flag(64, "completion length limit", section="GRPO")
+    temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)", section="GRPO")
+    top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)", section="GRPO")
+    top_k: int = flag(0, "top-k sampling (0 = off)", section="GRPO")
+    gen_batch: int = flag(8, "prompts per sampler call (x G rows)", section="GRPO")
     compile: bool = flag(False, "decode the rollouts through torch.compile (generate's compile=True): "
                          "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide fp32 models without "
                          "LoRA, no faster at the demo's width; the first step compiles (~25 s, ~6 s "
-                         "cached); on the CPU it needs a C++ compiler (docs/speed.md)")
+                         "cached); on the CPU it needs a C++ compiler (docs/speed.md)", section="GRPO")
     loss: str = flag("dapo", "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
                      "denominator | gspo: sequence ratio | cispo: clipped IS weight",
-                     choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+                     choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"], section="GRPO")
     scale_rewards: str = flag("none", "advantage scaling: group (divide by std) | none",
-                              choices=["group", "none"])
-    epsilon: float = flag(0.2, "PPO clip: lower bound 1 - epsilon")
-    epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)")
-    beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)")
-    mu: int = flag(1, "policy updates per rollout batch")
+                              choices=["group", "none"], section="GRPO")
+    epsilon: float = flag(0.2, "PPO clip: lower bound 1 - epsilon", section="GRPO")
+    epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)", section="GRPO")
+    beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)", section="GRPO")
+    mu: int = flag(1, "policy updates per rollout batch", section="GRPO")
     tis_cap: float = flag(0.0, "truncated importance sampling: weight the policy term by "
-                          "min(exp(trainer - sampler logp), C) (0 = off)")
-    filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss")
-    mask_truncated: bool = flag(False, "drop truncated completions from the loss")
-    reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'")
+                          "min(exp(trainer - sampler logp), C) (0 = off)", section="GRPO")
+    filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss", section="GRPO")
+    mask_truncated: bool = flag(False, "drop truncated completions from the loss", section="GRPO")
+    reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'", section="GRPO")
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
-                                   "one (0 = exact)")
-    # optimisation
-    steps: int = flag(3000, "optimizer steps (upper bound when --max_minutes is set)")
-    max_minutes: float = flag(0.0, "stop after this much training wall time (0 = off)")
-    lr: float = flag(1e-4, "peak learning rate")
-    warmup: int = flag(10, "linear warmup steps")
-    min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    beta2: float = flag(0.98, "AdamW beta2")
-    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)")
-    train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)")
-    # memory
+                                   "one (0 = exact)", section="GRPO")
+
+    steps: int = flag(3000, "optimizer steps (upper bound when --max_minutes is set)", section="optimisation")
+    max_minutes: float = flag(0.0, "stop after this much training wall time (0 = off)", section="optimisation")
+    lr: float = flag(1e-4, "peak learning rate", section="optimisation")
+    warmup: int = flag(10, "linear warmup steps", section="optimisation")
+    min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)", section="optimisation")
+    weight_decay: float = flag(0.0, "AdamW weight decay", section="optimisation")
+    beta2: float = flag(0.98, "AdamW beta2", section="optimisation")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)", section="optimisation")
+    train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)", section="optimisation")
+
     micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
-                                   "row; rows grouped by length; 0 = off)")
+                                   "row; rows grouped by length; 0 = off)", section="memory")
     pack: bool = flag(True, "pack a micro-batch's sequences into rows as wide as its longest, "
-                      "attention kept within each: no compute on padding")
+                      "attention kept within each: no compute on padding", section="memory")
     share_prompt: bool = flag(True, "with --pack: a group's rows hold their prompt once, each "
                               "completion attending to it (the prompt's forward and backward "
-                              "done once, not G times)")
+                              "done once, not G times)", section="memory")
     activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
-                                          "activations of one block, not all (+1 forward)")
-    dry_run: bool = flag(False, "print the memory estimate per rank and exit")
-    # infrastructure
-    dist: str = flag("ddp", "data parallelism under torchrun", choices=["ddp", "fsdp"])
-    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+                                          "activations of one block, not all (+1 forward)", section="memory")
+    dry_run: bool = flag(False, "print the memory estimate per rank and exit", section="memory")
+
+    dist: str = flag("ddp", "data parallelism under torchrun", choices=["ddp", "fsdp"], section="infrastructure")
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails", section="infrastructure")
     progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
-                                 "or pipe (a terminal gets a bar)")
+                                 "or pipe (a terminal gets a bar)", section="infrastructure")
     dtype: str = flag("float32", "compute dtype; bfloat16: bf16 matmuls over fp32 weights and "
                       "AdamW state (autocast, or FSDP2 mixed precision)",
-                      choices=["float32", "bfloat16"])
+                      choices=["float32", "bfloat16"], section="infrastructure")
     weights_dtype: str = flag("float32", "storage dtype of weights and AdamW state; bfloat16 "
                               "halves it but loses small updates (needs --dtype bfloat16)",
-                              choices=["float32", "bfloat16"])
-    seed: int = flag(0, "RL seed (sampling and data order)")
-    data_seed: int = flag(0, "seed of the built-in task's problems")
-    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
-    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+                              choices=["float32", "bfloat16"], section="infrastructure")
+    seed: int = flag(0, "RL seed (sampling and data order)", section="infrastructure")
+    data_seed: int = flag(0, "seed of the built-in task's problems", section="infrastructure")
+    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)", section="infrastructure")
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", section="infrastructure")
     save_minutes: float = flag(30.0, "also checkpoint once this much wall time has passed since the "
-                               "last checkpoint (0 = off): a crash loses at most that much")
-    keep: int = flag(2, "checkpoints to keep")
-    log_samples: int = flag(2, "completions per step written to samples.jsonl")
+                               "last checkpoint (0 = off): a crash loses at most that much", section="infrastructure")
+    keep: int = flag(2, "checkpoints to keep", section="infrastructure")
+    log_samples: int = flag(2, "completions per step written to samples.jsonl", section="infrastructure")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
-                       "none: start fresh | PATH: that checkpoint")
-    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir")
-    # optional loggers (metrics.jsonl is always written)
+                       "none: start fresh | PATH: that checkpoint", section="infrastructure")
+    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir", section="infrastructure")
+
     wandb: str = flag("", "also log metrics to this Weights & Biases project (pip install wandb; "
-                      "WANDB_MODE=offline works)")
+                      "WANDB_MODE=offline works)", section="optional loggers (metrics.jsonl is always written)")
     tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
-                             "tensorboard)")
+                             "tensorboard)", section="optional loggers (metrics.jsonl is always written)")
 
 
 # what a resumed run must share with the run that wrote its checkpoint (the model, the data, the

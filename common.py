@@ -475,42 +475,6 @@ def lr_at(step: int, warmup: int, total: int, peak: float, min_ratio: float = 0.
 # training-loop helpers
 
 
-def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
-    """Split this rank's rows (lengths: each row's real length, host ints) into micro-batches for gradient
-    accumulation: row indices, grouped by length (longest first) so that each micro-batch, padded to its longest
-    row, pads little. A micro-batch holds at most max_rows rows and, if max_tokens > 0, at most max_tokens padded
-    tokens (rows x its longest row); a row longer than max_tokens goes alone (0 = no limit). Inside a micro-batch
-    the rows keep their order. Every rank gets as many micro-batches as the rank that needs the most (a collective:
-    FSDP2's gathers and DDP's reduction must pair up), padded with empty ones."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
-    out, cur = [], []
-    for i in order:
-        full_rows = max_rows > 0 and len(cur) == max_rows
-        full_tokens = max_tokens > 0 and (len(cur) + 1) * lengths[cur[0] if cur else i] > max_tokens
-        if cur and (full_rows or full_tokens):
-            out.append(sorted(cur))
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(sorted(cur))
-    n = int(all_reduce_named({"n": len(out)}, {"n": "max"})["n"])
-    return out + [[] for _ in range(n - len(out))]
-
-
-def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
-    """First-fit decreasing: sequences (lengths, host ints, each <= width) -> rows of at most width tokens, each
-    a list of sequence indices in the order they sit in the row. Longest first; ties keep their order."""
-    rows, used = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = next((r for r, u in enumerate(used) if u + lengths[i] <= width), len(rows))
-        if r == len(rows):
-            rows.append([])
-            used.append(0)
-        rows[r].append(i)
-        used[r] += lengths[i]
-    return rows
-
-
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     """Clip the gradients' global norm to max_norm (0 = no clipping, the norm is still measured); returns the norm
     before clipping as a plain tensor (FSDP2's clip_grad_norm_ returns a DTensor: the global norm, replicated)."""

@@ -16,7 +16,7 @@ padding, so only the completion is learned; batches are right-padded.
 Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of
 a seeded stream of epoch permutations, rank r on its contiguous share, which it splits into
 micro-batches of similar lengths (at most --micro_batch rows and --micro_batch_tokens padded tokens;
-common.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
+packing.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
 in the whole global batch), so 1 process and N processes, and any micro-batch split, compute the
 same step (tests/test_sft.py checks it for DDP and FSDP2).
 
@@ -97,7 +97,6 @@ from common import (
     init_dist,
     lora_estimate_args,
     lr_at,
-    micro_batches,
     parse_config,
     peak_mem_mb,
     print0,
@@ -108,6 +107,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
 from eval import evaluate
+from packing import micro_batches
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import packing
 
 
 @dataclass
@@ -186,7 +187,7 @@ def test_grad_clip_zero_is_off():
 
 @pytest.mark.parametrize("lengths", [[5, 3, 8, 2, 2, 7, 1], [8] * 4, [1] * 9, [6]])
 def test_pack_rows_places_every_sequence_once_within_the_width(lengths):
-    rows = common.pack_rows(lengths, 8)
+    rows = packing.pack_rows(lengths, 8)
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
     # first-fit decreasing is within 11/9 OPT + 1 rows; OPT >= the tokens over the width

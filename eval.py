@@ -58,6 +58,8 @@ from data import encode_prompt, format_prompt, load_task, parse_knobs
 from model import load_adapter, load_model, load_tokenizer, merge_lora, stop_and_pad_ids
 from sampler import generate
 
+EVAL_BATCH = 32  # problems per sampler call: --batch_size's default, and the batch of sft.py's and grpo.py's evals
+
 
 @dataclass
 class EvalConfig:
@@ -84,7 +86,7 @@ class EvalConfig:
     pass_k: tuple[int, ...] = flag((1, 8), "k values for pass@k and maj@k (comma list)",
                                    section="generation and metrics")
     greedy: bool = flag(True, "also run greedy pass@1 when --samples > 1", section="generation and metrics")
-    batch_size: int = flag(32, "problems per sampler call (part of the eval's definition)",
+    batch_size: int = flag(EVAL_BATCH, "problems per sampler call (part of the eval's definition)",
                            section="generation and metrics")
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
                                    "one (0 = exact)", section="generation and metrics")
@@ -145,7 +147,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
 
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
-             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, device=None,
+             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = EVAL_BATCH, device=None,
              seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",
              progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return

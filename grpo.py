@@ -73,7 +73,7 @@ from common import (
     wrap_model,
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs
-from eval import evaluate
+from eval import EVAL_BATCH, evaluate
 from model import (
     LORA_TARGETS,
     adapters_off,
@@ -192,14 +192,6 @@ class GRPOConfig:
                       "WANDB_MODE=offline works)", section="optional loggers (metrics.jsonl is always written)")
     tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
                              "tensorboard)", section="optional loggers (metrics.jsonl is always written)")
-
-
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
-# batch shape, the stored weights' dtype): --resume refuses a checkpoint that differs in these;
-# other flags (lr, steps, loss, dist, world size, the compute --dtype, ...) may change
-RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
-                     "group_size", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
-                     "lora_base_dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -459,7 +451,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
                  device) -> dict:
-    """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add
+    """The step's metrics (docs/losses.md lists them), reduced over ranks by name: counts and sums add
     up, the slowest rank sets lengths, generation time and memory (max)."""
     lengths = roll.lengths.tolist()
     r_sum, r_sq, n_zero, n_trunc = torch.stack([r.sum(), (r**2).sum(), zero_std.sum().float(),
@@ -498,9 +490,6 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
         "lr": lr,
         "grad_norm": stats["grad_norm"],
     }
-
-
-EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
 
 
 def memory_shapes(cfg: GRPOConfig, world: int, prompt_len: int, device_type: str) -> dict:
@@ -594,7 +583,8 @@ def main(argv=None):
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
+    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
 
     # --- model, reference -------------------------------------------------------------------------
     # no weights, a truncated safetensors file, weights that do not fit config.json

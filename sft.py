@@ -106,7 +106,7 @@ from common import (
     wrap_model,
 )
 from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
-from eval import evaluate
+from eval import EVAL_BATCH, evaluate
 from packing import micro_batches
 
 
@@ -202,14 +202,6 @@ class SFTConfig:
                              "tensorboard)", section="optional loggers (metrics.jsonl is always written)")
 
 
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
-# batch, the stored weights' dtype): --resume refuses a checkpoint that differs in these; other
-# flags (lr, steps, micro_batch, dist, the compute --dtype, ...) may change
-RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
-                     "lora_base_dtype")
-
-
 # -----------------------------------------------------------------------------
 # examples and the masked loss
 
@@ -240,21 +232,16 @@ def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype: str = "f
     return -(logp * mask).sum()
 
 
-def reached_bar(history: list[float], target: float, patience: int) -> bool:
-    """Whether the last `patience` held-out evals all reach `target` (one lucky eval is not enough;
-    0 = off)."""
-    recent = history[-patience:]
-    return target > 0 and len(recent) == patience and min(recent) >= target
-
-
 def bar_reached(history: list[float], target: float, patience: int) -> bool:
-    """Whether reached_bar held at any eval so far (a later dip does not undo it)."""
-    return any(reached_bar(history[: i + 1], target, patience) for i in range(len(history)))
+    """Whether `patience` consecutive held-out evals have all reached `target` at some eval so far (one lucky eval
+    is not enough; a later dip does not undo it; target 0 = off)."""
+    windows = (history[i - patience : i] for i in range(patience, len(history) + 1))
+    return target > 0 and patience > 0 and any(min(w) >= target for w in windows)
 
 
 def should_stop(history: list[float], target: float, patience: int, window: int, delta: float,
                 floor: float = 0.0) -> bool:
-    """--stop_pass1: the bar reached (reached_bar at some eval so far), and then, with window > 0, held-out
+    """--stop_pass1: the bar reached (bar_reached), and then, with window > 0, held-out
     pass@1 no longer climbing, at `floor` or above: the mean of the last `window` evals is at least `floor` and
     at most `delta` above the mean of the `window` evals before them. (SFT's jump from memorising to the
     arithmetic passes the bar on its way up, and evals of 200 problems scatter by +-0.05, so a low start can
@@ -287,9 +274,6 @@ def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
     return (f"warning: held-out pass@1 passed --stop_pass1 {cfg.stop_pass1}, but the mean of its last {w} evals is "
             f"{mean:.3f} < --stop_floor {cfg.stop_floor} at step {step}, the --steps budget: from such a start "
             "more SFT has beaten GRPO (and lost to it: docs/demo.md); run again with more --steps (it resumes)")
-
-
-EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
 
 
 def memory_shapes(cfg: SFTConfig, world: int, seq: int, eval_prompt_len: int, device_type: str) -> dict:
@@ -394,7 +378,9 @@ def main(argv=None):
     print0(model_lib.format_memory(model_lib.memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
+    # preset and the batch (--micro_batch may change)
+    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
 
     # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's)

@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import grpo
 import model
+import packing
 import sampler
 from common import cxx_compiler
 from data import format_prompt, load_task
@@ -191,7 +192,7 @@ class OurSide:
         w = grpo.token_weights(lmask, cfg.loss, n_seqs, n_tokens, P * G, cfg.max_new_tokens)  # beta = 0: no KL
         row_prompts = [p for p in mine for _ in range(G)]
         lengths = roll.lengths.tolist()
-        batch = grpo.training_batch(row_prompts, roll.tokens, lengths, pad)
+        batch = packing.training_batch(row_prompts, roll.tokens, lengths, pad)
         seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
         grpo.update(self.model, None, self.opt, batch, seq_len, adv, lmask, w, None, roll.logprobs, cfg, step)
         t2 = time.perf_counter()

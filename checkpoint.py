@@ -88,6 +88,12 @@ RNG = "rng_rank{}.pt"
 MARKER = "minigrpo_run.json"  # in a run dir: {"stage": "sft" | "grpo" | "eval", "created": ..., "by": ...}
 STEP_NAME = re.compile(r"step_\d{6,}")  # what `latest` may hold: a checkpoint's name in the same dir
 TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not part of the HF model dir
+# what a resumed run must share with the run that wrote its checkpoint, in every stage (the start model, the data,
+# the seed, the stored weights' dtype, the LoRA adapters): resume_point refuses a checkpoint that differs in these or
+# in the stage's own `must_match` (e.g. its batch shape); other flags (lr, steps, loss, dist, world size, the compute
+# --dtype, ...) may change
+RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "data_seed", "task_knobs", "template", "seed",
+                     "weights_dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
 # DCP warns on every save/load in a plain `python script.py` run that it assumes one process: it is right
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -553,8 +559,9 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
       none: None; refuses an out_dir that already holds a run (checkpoints or metrics) unless cfg.overwrite.
       PATH: that checkpoint dir, or the newest checkpoint of that run dir.
     cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
-    A checkpoint written by a run whose config differs in a `must_match` field (model, data, batch shape: what
-    makes continuing it meaningless) is refused with every difference listed; other changes are printed."""
+    A checkpoint written by a run whose config differs in a RESUME_MUST_MATCH field or one of the stage's
+    `must_match` (model, data, batch shape: what makes continuing it meaningless) is refused with every difference
+    listed; other changes are printed."""
     out = Path(cfg.out_dir)
     check_out_dir(out, _stage(cfg), getattr(cfg, "init", None))
     check_packages(cfg)  # --wandb / --tensorboard: before --overwrite deletes anything
@@ -588,7 +595,7 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
         raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
     now = dataclasses.asdict(cfg)
     changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
-    diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in must_match]
+    diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in RESUME_MUST_MATCH + must_match]
     if diffs:
         raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
                          f"{'; '.join(diffs)}. Use the old values, or start a new run (another --out_dir, or "

@@ -9,12 +9,10 @@ import argparse
 import dataclasses
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import os
 import random
-import re
 import shutil
 import socket
 import sys
@@ -79,8 +77,15 @@ def init_dist(timeout_s: float = 600, device: str | None = None) -> Dist:
 
 
 def _explain_collective_timeouts(rank: int, timeout_s: float):
-    """After the usual traceback of a timed-out collective, say which one and what it means. (gloo's own message
-    only says "Timed out waiting ...ms for recv operation to complete"; NCCL's watchdog names the op itself.)"""
+    """After the usual traceback of a timed-out collective, say which one it was and what it means.
+
+    The user need: when one rank of a multi-process run crashes, hangs or is stopped, every other rank fails
+    --dist_timeout later in whatever collective it reached next (ours, DDP's forward, backward's reduce-scatter, a
+    barrier), and gloo's message, "Timed out waiting ...ms for recv operation to complete", reads as the failure
+    itself. The hint names the collective and our line that called it, and says the cause is another rank, whose
+    own log shows it. (NCCL's watchdog names the op itself.) Why a sys.excepthook: the timeout can surface from
+    any of those places, and the hook sees it whichever raised it; it runs after torch's own hook (the traceback,
+    each line prefixed "[rankN]:"), so the hint is the last thing printed, and it changes nothing else."""
     previous, torch_dir = sys.excepthook, os.path.dirname(torch.__file__) + os.sep  # not torchvision/, torchao/
 
     def hook(kind, err, tb):
@@ -184,9 +189,10 @@ def all_gather_list(items: list) -> list:
 # config dataclass -> argparse flags
 
 
-def flag(default, help: str, choices: list | None = None):
-    """A config field that parse_config turns into --NAME: its default, its --help line, optional choices."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def flag(default, help: str, choices: list | None = None, section: str | None = None):
+    """A config field that parse_config turns into --NAME: its default, its --help line, optional choices, and the
+    section of --help it is listed in (sections appear in the order of their first field; None: no section)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
 def _parse_bool(s: str) -> bool:
@@ -210,13 +216,13 @@ def _flag_type(tp):
 
 
 def parse_config(cls, argv: list[str] | None = None):
-    """Build an argparse parser from a @dataclass (help from field metadata["help"], optional metadata["choices"])
-    and return an instance. Flags are the field names: --lr 3e-4, --bf16 true|false (or bare --bf16),
-    --pass_k 1,8 for tuple fields, --init none for Optional fields."""
+    """Build an argparse parser from a @dataclass (help from field metadata["help"], optional metadata["choices"]
+    and metadata["section"]: see flag) and return an instance. Flags are the field names: --lr 3e-4, --bf16
+    true|false (or bare --bf16), --pass_k 1,8 for tuple fields, --init none for Optional fields."""
     doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # not dataclass's signature
     parser = argparse.ArgumentParser(description=(doc or "").strip(),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    hints, sections, groups = typing.get_type_hints(cls), _sections(cls), {}
+    hints, groups = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -224,27 +230,12 @@ def parse_config(cls, argv: list[str] | None = None):
                   choices=f.metadata.get("choices"))
         if tp is bool:
             kw.update(nargs="?", const=True, metavar="true|false")
-        title = sections.get(f.name)
+        title = f.metadata.get("section")
         if title and title not in groups:
             groups[title] = parser.add_argument_group(title)
         group = groups[title] if title else parser
         group.add_argument(f"--{f.name}", **kw)
     return cls(**vars(parser.parse_args(argv)))
-
-
-def _sections(cls) -> dict[str, str]:
-    """field name -> the `# title` comment line above it in the dataclass body: the section of --help it goes in."""
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):  # no source (e.g. a class made in a REPL): one flat list of flags
-        return {}
-    names, title, out = {f.name for f in dataclasses.fields(cls)}, None, {}
-    for line in lines:  # titles are comment lines at the fields' indentation, pragmas aside
-        if (m := re.match(r"    #\s*(.+?)\s*$", line)) and not re.match(r"(fmt|noqa|type|ruff|pragma)\b", m.group(1)):
-            title = m.group(1)
-        elif (m := re.match(r"    (\w+)\s*:", line)) and m.group(1) in names and title:
-            out[m.group(1)] = title
-    return out
 
 
 def save_json(path, obj):
@@ -474,42 +465,6 @@ def lr_at(step: int, warmup: int, total: int, peak: float, min_ratio: float = 0.
 
 # -----------------------------------------------------------------------------
 # training-loop helpers
-
-
-def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
-    """Split this rank's rows (lengths: each row's real length, host ints) into micro-batches for gradient
-    accumulation: row indices, grouped by length (longest first) so that each micro-batch, padded to its longest
-    row, pads little. A micro-batch holds at most max_rows rows and, if max_tokens > 0, at most max_tokens padded
-    tokens (rows x its longest row); a row longer than max_tokens goes alone (0 = no limit). Inside a micro-batch
-    the rows keep their order. Every rank gets as many micro-batches as the rank that needs the most (a collective:
-    FSDP2's gathers and DDP's reduction must pair up), padded with empty ones."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
-    out, cur = [], []
-    for i in order:
-        full_rows = max_rows > 0 and len(cur) == max_rows
-        full_tokens = max_tokens > 0 and (len(cur) + 1) * lengths[cur[0] if cur else i] > max_tokens
-        if cur and (full_rows or full_tokens):
-            out.append(sorted(cur))
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(sorted(cur))
-    n = int(all_reduce_named({"n": len(out)}, {"n": "max"})["n"])
-    return out + [[] for _ in range(n - len(out))]
-
-
-def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
-    """First-fit decreasing: sequences (lengths, host ints, each <= width) -> rows of at most width tokens, each
-    a list of sequence indices in the order they sit in the row. Longest first; ties keep their order."""
-    rows, used = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = next((r for r, u in enumerate(used) if u + lengths[i] <= width), len(rows))
-        if r == len(rows):
-            rows.append([])
-            used.append(0)
-        rows[r].append(i)
-        used[r] += lengths[i]
-    return rows
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:

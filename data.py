@@ -26,7 +26,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-from rewards import MAX_ANSWER_CHARS, last_boxed
+from verifier import MAX_ANSWER_CHARS, last_boxed
 
 TEMPLATES = ("r1", "short", "chat")
 THINK = "<think>"
@@ -286,10 +286,10 @@ def math_row(row, n: int = 1, source: str = "math") -> dict:
 
 
 def _gold(answer: str, n: int, source: str) -> str:
-    """A gold answer rewards.answers_match can match: it rejects answers over MAX_ANSWER_CHARS."""
+    """A gold answer verifier.answers_match can match: it rejects answers over MAX_ANSWER_CHARS."""
     if len(answer) > MAX_ANSWER_CHARS:
         raise ValueError(f"{source}: row {n}: the gold answer has {len(answer)} characters, over the "
-                         f"{MAX_ANSWER_CHARS} that rewards.answers_match compares, so no completion could ever "
+                         f"{MAX_ANSWER_CHARS} that verifier.answers_match compares, so no completion could ever "
                          "match it: shorten it or drop the row")
     return answer
 

@@ -18,7 +18,7 @@ Metrics (per problem with n samples of which c are correct, averaged over proble
   pass@k = 1 - C(n - c, k) / C(n, k)  (Chen et al. 2021; equals c / n for k = 1)
   maj@k  = the most frequent rewards.extract_answer among the first k samples is right (samples without an
            answer do not vote; ties go to the answer that appeared first, so the vote is deterministic)
-Simplifications: no per-problem generators (a batch shares one), no answer-equivalence beyond rewards.py's.
+Simplifications: no per-problem generators (a batch shares one), no answer-equivalence beyond verifier.py's.
 """
 
 import json
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 
 import rewards
+import verifier
 from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
 from common import (
     DTYPES,
@@ -56,47 +57,49 @@ from common import (
 from data import encode_prompt, format_prompt, load_task, parse_knobs
 from hf import load_model, load_tokenizer, stop_and_pad_ids
 from lora import load_adapter, merge_lora
+from memory import EVAL_BATCH  # problems per sampler call: --batch_size's default, and sft/grpo in-loop evals
 from sampler import generate
 
 
 @dataclass
 class EvalConfig:
     """Evaluate an HF model directory on a task split (pass@1, pass@k, maj@k, format, length, truncation)."""
-    # model and data
     model: str = flag("runs/sft/model", "HF model dir, LoRA adapter dir, or run dir (its latest "
-                      "checkpoint)")
+                      "checkpoint)", section="model and data")
     lora_base: str = flag("", "for an adapter: its base model dir ('' = the one "
-                          "adapter_config.json names)")
+                          "adapter_config.json names)", section="model and data")
     lora_merge: bool = flag(True, "for an adapter: merge it into the weights before sampling "
-                            "(faster; equal to rounding)")
+                            "(faster; equal to rounding)", section="model and data")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
-                             "MAX_PARAMS); false lifts them")
-    task: str = flag("arith", "arith | gsm8k | math")
-    split: str = flag("test[:400]", "problems, e.g. test, test[:400], train[10%:]")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
-    data_seed: int = flag(0, "seed of the built-in task's problems")
-    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)")
-    template: str = flag("short", "prompt template: short | r1 | chat")
-    # generation and metrics
-    max_new_tokens: int = flag(64, "completion length limit")
-    samples: int = flag(1, "n samples per problem (>1 adds pass@k / maj@k)")
-    temperature: float = flag(1.0, "sampling temperature when --samples > 1")
-    top_p: float = flag(1.0, "nucleus sampling when --samples > 1")
-    pass_k: tuple[int, ...] = flag((1, 8), "k values for pass@k and maj@k (comma list)")
-    greedy: bool = flag(True, "also run greedy pass@1 when --samples > 1")
-    batch_size: int = flag(32, "problems per sampler call (part of the eval's definition)")
+                             "MAX_PARAMS); false lifts them", section="model and data")
+    task: str = flag("arith", "arith | gsm8k | math", section="model and data")
+    split: str = flag("test[:400]", "problems, e.g. test, test[:400], train[10%:]", section="model and data")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="model and data")
+    data_seed: int = flag(0, "seed of the built-in task's problems", section="model and data")
+    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)", section="model and data")
+    template: str = flag("short", "prompt template: short | r1 | chat", section="model and data")
+
+    max_new_tokens: int = flag(64, "completion length limit", section="generation and metrics")
+    samples: int = flag(1, "n samples per problem (>1 adds pass@k / maj@k)", section="generation and metrics")
+    temperature: float = flag(1.0, "sampling temperature when --samples > 1", section="generation and metrics")
+    top_p: float = flag(1.0, "nucleus sampling when --samples > 1", section="generation and metrics")
+    pass_k: tuple[int, ...] = flag((1, 8), "k values for pass@k and maj@k (comma list)",
+                                   section="generation and metrics")
+    greedy: bool = flag(True, "also run greedy pass@1 when --samples > 1", section="generation and metrics")
+    batch_size: int = flag(EVAL_BATCH, "problems per sampler call (part of the eval's definition)",
+                           section="generation and metrics")
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
-                                   "one (0 = exact)")
-    seed: int = flag(0, "sampling seed")
-    # infrastructure
+                                   "one (0 = exact)", section="generation and metrics")
+    seed: int = flag(0, "sampling seed", section="generation and metrics")
+
     dtype: str = flag("float32", "compute dtype (bfloat16: autocast over the weights, as in sft.py "
-                      "/ grpo.py)", choices=["float32", "bfloat16"])
+                      "/ grpo.py)", choices=["float32", "bfloat16"], section="infrastructure")
     weights_dtype: str = flag("float32", "storage dtype of the weights (bfloat16 halves memory; "
-                              "needs --dtype bfloat16)", choices=["float32", "bfloat16"])
-    out_dir: str = flag("runs/eval", "writes summary.json and completions.jsonl here")
-    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+                              "needs --dtype bfloat16)", choices=["float32", "bfloat16"], section="infrastructure")
+    out_dir: str = flag("runs/eval", "writes summary.json and completions.jsonl here", section="infrastructure")
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails", section="infrastructure")
     progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
-                                 "or pipe (a terminal gets a bar)")
+                                 "or pipe (a terminal gets a bar)", section="infrastructure")
 
 
 # -----------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
     for k in sorted(set(pass_k)):
         if 1 < k <= n_samples:
             votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]["gold"]) for g in groups]
-            hits = [v is not None and rewards.answers_match(v, gold, tolerance) for v, gold in votes]
+            hits = [v is not None and verifier.answers_match(v, gold, tolerance) for v, gold in votes]
             out[f"maj@{k}"] = sum(hits) / len(groups)
     for key in ("correct", "format", "reward"):
         out[key] = sum(r[key] for r in records) / len(records)
@@ -144,7 +147,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
 
 
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
-             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = 32, device=None,
+             temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = EVAL_BATCH, device=None,
              seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",
              progress_every: float = 30.0) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return

@@ -63,8 +63,6 @@ from common import (
     init_dist,
     lr_at,
     make_generator,
-    micro_batches,
-    pack_rows,
     parse_config,
     peak_mem_mb,
     print0,
@@ -78,6 +76,7 @@ from eval import evaluate
 from hf import load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
+from packing import micro_batch, micro_batches, training_batch
 from sampler import generate
 
 
@@ -85,109 +84,104 @@ from sampler import generate
 class GRPOConfig:
     """GRPO from an HF model dir: sample G completions per prompt, score them, update on group
     advantages."""
-    # model and data
-    init: str = flag("runs/sft/model", "HF model dir to start from")
+    init: str = flag("runs/sft/model", "HF model dir to start from", section="model and data")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
-                             "MAX_PARAMS); false lifts them")
-    task: str = flag("arith", "task: arith | gsm8k | math")
-    split: str = flag("train[5%:]", "training problems (answers only are used)")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
-    task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'")
-    template: str = flag("short", "prompt template", choices=["short", "r1", "chat"])
-    eval_split: str = flag("test[:200]", "held-out problems for in-loop eval")
-    out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)")
-    # LoRA (off by default: every weight trains)
+                             "MAX_PARAMS); false lifts them", section="model and data")
+    task: str = flag("arith", "task: arith | gsm8k | math", section="model and data")
+    split: str = flag("train[5%:]", "training problems (answers only are used)", section="model and data")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="model and data")
+    task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'", section="model and data")
+    template: str = flag("short", "prompt template", choices=["short", "r1", "chat"], section="model and data")
+    eval_split: str = flag("test[:200]", "held-out problems for in-loop eval", section="model and data")
+    out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)", section="model and data")
+
     lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base; the KL "
-                          "reference is the base itself (0 = off)")
-    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
-    lora_targets: tuple[str, ...] = flag(LORA_TARGETS, "projections that get adapters (comma list)")
+                          "reference is the base itself (0 = off)",
+                          section="LoRA (off by default: every weight trains)")
+    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r",
+                             section="LoRA (off by default: every weight trains)")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)",
+                               section="LoRA (off by default: every weight trains)")
+    lora_targets: tuple[str, ...] = flag(LORA_TARGETS, "projections that get adapters (comma list)",
+                                         section="LoRA (off by default: every weight trains)")
     lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
-                                choices=["float32", "bfloat16"])
-    # GRPO
-    prompts_per_step: int = flag(16, "prompts per step, over all ranks")
-    group_size: int = flag(8, "G: completions sampled per prompt")
-    max_new_tokens: int = flag(64, "completion length limit")
-    temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)")
-    top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)")
-    top_k: int = flag(0, "top-k sampling (0 = off)")
-    gen_batch: int = flag(8, "prompts per sampler call (x G rows)")
+                                choices=["float32", "bfloat16"], section="LoRA (off by default: every weight trains)")
+
+    prompts_per_step: int = flag(16, "prompts per step, over all ranks", section="GRPO")
+    group_size: int = flag(8, "G: completions sampled per prompt", section="GRPO")
+    max_new_tokens: int = flag(64, "completion length limit", section="GRPO")
+    temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)", section="GRPO")
+    top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)", section="GRPO")
+    top_k: int = flag(0, "top-k sampling (0 = off)", section="GRPO")
+    gen_batch: int = flag(8, "prompts per sampler call (x G rows)", section="GRPO")
     compile: bool = flag(False, "decode the rollouts through torch.compile (generate's compile=True): "
                          "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide fp32 models without "
                          "LoRA, no faster at the demo's width; the first step compiles (~25 s, ~6 s "
-                         "cached); on the CPU it needs a C++ compiler (docs/speed.md)")
+                         "cached); on the CPU it needs a C++ compiler (docs/speed.md)", section="GRPO")
     loss: str = flag("dapo", "grpo: per-seq mean | dapo: token mean | dr_grpo: constant "
                      "denominator | gspo: sequence ratio | cispo: clipped IS weight",
-                     choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+                     choices=["grpo", "dapo", "dr_grpo", "gspo", "cispo"], section="GRPO")
     scale_rewards: str = flag("none", "advantage scaling: group (divide by std) | none",
-                              choices=["group", "none"])
-    epsilon: float = flag(0.2, "PPO clip: lower bound 1 - epsilon")
-    epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)")
-    beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)")
-    mu: int = flag(1, "policy updates per rollout batch")
+                              choices=["group", "none"], section="GRPO")
+    epsilon: float = flag(0.2, "PPO clip: lower bound 1 - epsilon", section="GRPO")
+    epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)", section="GRPO")
+    beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)", section="GRPO")
+    mu: int = flag(1, "policy updates per rollout batch", section="GRPO")
     tis_cap: float = flag(0.0, "truncated importance sampling: weight the policy term by "
-                          "min(exp(trainer - sampler logp), C) (0 = off)")
-    filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss")
-    mask_truncated: bool = flag(False, "drop truncated completions from the loss")
-    reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'")
+                          "min(exp(trainer - sampler logp), C) (0 = off)", section="GRPO")
+    filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss", section="GRPO")
+    mask_truncated: bool = flag(False, "drop truncated completions from the loss", section="GRPO")
+    reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'", section="GRPO")
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
-                                   "one (0 = exact)")
-    # optimisation
-    steps: int = flag(3000, "optimizer steps (upper bound when --max_minutes is set)")
-    max_minutes: float = flag(0.0, "stop after this much training wall time (0 = off)")
-    lr: float = flag(1e-4, "peak learning rate")
-    warmup: int = flag(10, "linear warmup steps")
-    min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    beta2: float = flag(0.98, "AdamW beta2")
-    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)")
-    train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)")
-    # memory
+                                   "one (0 = exact)", section="GRPO")
+
+    steps: int = flag(3000, "optimizer steps (upper bound when --max_minutes is set)", section="optimisation")
+    max_minutes: float = flag(0.0, "stop after this much training wall time (0 = off)", section="optimisation")
+    lr: float = flag(1e-4, "peak learning rate", section="optimisation")
+    warmup: int = flag(10, "linear warmup steps", section="optimisation")
+    min_lr_ratio: float = flag(1.0, "cosine floor as a fraction of lr (1.0 = constant)", section="optimisation")
+    weight_decay: float = flag(0.0, "AdamW weight decay", section="optimisation")
+    beta2: float = flag(0.98, "AdamW beta2", section="optimisation")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)", section="optimisation")
+    train_micro_batch: int = flag(64, "rows per forward/backward, at most (0 = no limit)", section="optimisation")
+
     micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
-                                   "row; rows grouped by length; 0 = off)")
+                                   "row; rows grouped by length; 0 = off)", section="memory")
     pack: bool = flag(True, "pack a micro-batch's sequences into rows as wide as its longest, "
-                      "attention kept within each: no compute on padding")
+                      "attention kept within each: no compute on padding", section="memory")
     share_prompt: bool = flag(True, "with --pack: a group's rows hold their prompt once, each "
                               "completion attending to it (the prompt's forward and backward "
-                              "done once, not G times)")
+                              "done once, not G times)", section="memory")
     activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
-                                          "activations of one block, not all (+1 forward)")
-    dry_run: bool = flag(False, "print the memory estimate per rank and exit")
-    # infrastructure
-    dist: str = flag("ddp", "data parallelism under torchrun", choices=["ddp", "fsdp"])
-    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+                                          "activations of one block, not all (+1 forward)", section="memory")
+    dry_run: bool = flag(False, "print the memory estimate per rank and exit", section="memory")
+
+    dist: str = flag("ddp", "data parallelism under torchrun", choices=["ddp", "fsdp"], section="infrastructure")
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails", section="infrastructure")
     progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
-                                 "or pipe (a terminal gets a bar)")
+                                 "or pipe (a terminal gets a bar)", section="infrastructure")
     dtype: str = flag("float32", "compute dtype; bfloat16: bf16 matmuls over fp32 weights and "
                       "AdamW state (autocast, or FSDP2 mixed precision)",
-                      choices=["float32", "bfloat16"])
+                      choices=["float32", "bfloat16"], section="infrastructure")
     weights_dtype: str = flag("float32", "storage dtype of weights and AdamW state; bfloat16 "
                               "halves it but loses small updates (needs --dtype bfloat16)",
-                              choices=["float32", "bfloat16"])
-    seed: int = flag(0, "RL seed (sampling and data order)")
-    data_seed: int = flag(0, "seed of the built-in task's problems")
-    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
-    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+                              choices=["float32", "bfloat16"], section="infrastructure")
+    seed: int = flag(0, "RL seed (sampling and data order)", section="infrastructure")
+    data_seed: int = flag(0, "seed of the built-in task's problems", section="infrastructure")
+    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)", section="infrastructure")
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", section="infrastructure")
     save_minutes: float = flag(30.0, "also checkpoint once this much wall time has passed since the "
-                               "last checkpoint (0 = off): a crash loses at most that much")
-    keep: int = flag(2, "checkpoints to keep")
-    log_samples: int = flag(2, "completions per step written to samples.jsonl")
+                               "last checkpoint (0 = off): a crash loses at most that much", section="infrastructure")
+    keep: int = flag(2, "checkpoints to keep", section="infrastructure")
+    log_samples: int = flag(2, "completions per step written to samples.jsonl", section="infrastructure")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
-                       "none: start fresh | PATH: that checkpoint")
-    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir")
-    # optional loggers (metrics.jsonl is always written)
+                       "none: start fresh | PATH: that checkpoint", section="infrastructure")
+    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir", section="infrastructure")
+
     wandb: str = flag("", "also log metrics to this Weights & Biases project (pip install wandb; "
-                      "WANDB_MODE=offline works)")
+                      "WANDB_MODE=offline works)", section="optional loggers (metrics.jsonl is always written)")
     tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
-                             "tensorboard)")
-
-
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
-# batch shape, the stored weights' dtype): --resume refuses a checkpoint that differs in these;
-# other flags (lr, steps, loss, dist, world size, the compute --dtype, ...) may change
-RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "task_knobs", "data_seed", "template", "prompts_per_step",
-                     "group_size", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
-                     "lora_base_dtype")
+                             "tensorboard)", section="optional loggers (metrics.jsonl is always written)")
 
 
 # -----------------------------------------------------------------------------
@@ -352,103 +346,6 @@ def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPO
     return r.view(-1, G), scores, texts
 
 
-def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[int], pad_id: int):
-    """Right-padded [prompt + completion] rows and where each completion token's log-prob sits, on
-    comp's device.
-
-    prompts: N token lists; comp: (N, Tc) sampled tokens; n_comp: valid completion length per row
-    (EOS included). Returns inputs (N, L), targets (N, L), pos (N, Tc): the column of inputs whose
-    next-token prediction is completion token t (position len(prompt) - 1 + t, clamped for padding);
-    and prompt_of (host list, N): (the first row with row i's prompt, that prompt's length).
-    """
-    # host lists: one device -> host copy
-    rows = [p + c[:n] for p, c, n in zip(prompts, comp.tolist(), n_comp)]
-    L = max(len(r) for r in rows) - 1
-    # -1 marks padding in targets (its log-prob is never read)
-    inputs = [r[:-1] + [pad_id] * (L + 1 - len(r)) for r in rows]
-    targets = [r[1:] + [-1] * (L + 1 - len(r)) for r in rows]
-    device = comp.device
-    t = torch.arange(comp.shape[1], device=device)
-    pos = torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None] + t[None, :]  # (N, Tc)
-    first = {}
-    prompt_of = [(first.setdefault(tuple(p), i), len(p)) for i, p in enumerate(prompts)]
-    return (torch.tensor(inputs, device=device), torch.tensor(targets, device=device), pos.clamp(max=L - 1),
-            prompt_of)
-
-
-def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[int], pack: bool,
-                share: bool = False) -> dict:
-    """The forward's input for training rows `rows` of training_batch's (inputs, targets, pos, prompt_of):
-    seq_len[i] is row i's real length. Cut to W columns, the longest of these rows. pack: the rows'
-    sequences packed into as few rows of W tokens as fit (common.pack_rows), each attending only to
-    itself (segments), its RoPE positions restarting at 0. share (with pack): the rows of one prompt
-    hold it once: its tokens but the last as a segment of their own, then each row's last prompt
-    token and completion attending to it and to itself (prefix), all in one row (attention runs
-    segment by segment: model.packed_attention), where that packs fewer tokens. -> model.forward's
-    keyword arguments: tokens (R, W'), targets (R, W'), target_pos (n, Tc) flat indices of the
-    completion tokens' predictions (padding clamped to the sequence's last), and input_pos, segments
-    (and prefix) (R, W') if packed."""
-    device, n = inputs.device, len(rows)
-    W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
-    ix = torch.tensor(rows, device=device)
-    # units: what goes into a row whole: [(j, 0)], one sequence, or [(j0, s), (j1, s), ...]: a
-    # prompt's s = len(prompt) - 1 tokens once, then each member's columns s.. (host ints)
-    units = [[(j, 0)] for j in range(n)]
-    width = lambda u: u[0][1] + sum(seq_len[rows[j]] - s for j, s in u)  # a unit's tokens
-    bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
-    one_row = False  # all units in one row: attention segment by segment (prefix), whatever is shared
-    if pack and share:
-        groups = {}  # first row of the prompt -> its rows here
-        for j in range(n):
-            groups.setdefault(prompt_of[rows[j]][0], []).append(j)
-        cand = [[(j, prompt_of[rows[g[0]]][1] - 1) for j in g] if len(g) > 1 else [(g[0], 0)]
-                for g in groups.values()]
-        if sum(map(width, cand)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
-            units, bins, one_row = cand, [list(range(len(cand)))], True
-    Wr = max(sum(width(units[m]) for m in b) for b in bins) if bins else W  # the rows' width
-    if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
-        flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
-        return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
-    # host: for each packed slot, its source (row, column) in inputs, its segment, prefix and position
-    src, seg, pre, at, start = [], [], [], [], [0] * n
-    L = inputs.shape[1]
-    for r, members in enumerate(bins):
-        c = 0
-        for u in (units[m] for m in members):
-            j0, s = u[0]
-            prompt_seg = len(seg)  # (a segment's id: its first slot's index)
-            if s:  # the shared prompt: row j0's first s columns, a segment of its own
-                src += [rows[j0] * L + k for k in range(s)]
-                seg += [prompt_seg] * s
-                pre += [prompt_seg] * s
-                at += range(s)
-                c += s
-            for j, _ in u:
-                own = seq_len[rows[j]] - s
-                start[j] = r * Wr + c - s  # the flat index its column 0 would have
-                src += [rows[j] * L + k for k in range(s, s + own)]
-                pre += [prompt_seg if s else len(seg)] * own
-                seg += [len(seg)] * own
-                at += range(s, s + own)
-                c += own
-        src += [-1] * (Wr - c)  # padding: pad tokens, one segment of their own
-        seg += [-1] * (Wr - c)
-        pre += [-1] * (Wr - c)
-        at += [0] * (Wr - c)
-    src = torch.tensor(src, device=device)
-    real = src >= 0
-    tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
-    tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
-    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
-    flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
-    out = {"tokens": tokens.view(-1, Wr), "targets": tgt.view(-1, Wr), "target_pos": flat,
-           "input_pos": torch.tensor(at, device=device).view(-1, Wr),
-           "segments": torch.tensor(seg, device=device).view(-1, Wr)}
-    if one_row:  # (a dense mask over one row of them all would grow with its square)
-        out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
-    return out
-
-
 def completion_logprobs(model, mb: dict, temperature, dtype: str = "float32"):
     """Trainer log-probs and entropy at the completion tokens of micro_batch `mb`: (n, Tc) each
     (entropy detached), computed in `dtype` (the log-softmax itself in fp32). The model computes them
@@ -544,7 +441,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
                  device) -> dict:
-    """The step's metrics (DESIGN.md lists them), reduced over ranks by name: counts and sums add
+    """The step's metrics (docs/losses.md lists them), reduced over ranks by name: counts and sums add
     up, the slowest rank sets lengths, generation time and memory (max)."""
     lengths = roll.lengths.tolist()
     r_sum, r_sq, n_zero, n_trunc = torch.stack([r.sum(), (r**2).sum(), zero_std.sum().float(),
@@ -650,7 +547,8 @@ def main(argv=None):
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
+    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
 
     # --- model, reference -------------------------------------------------------------------------
     # no weights, a truncated safetensors file, weights that do not fit config.json

@@ -8,7 +8,7 @@ from lora import LORA_TARGETS
 from model import ModelConfig, logits_chunk_tokens
 
 RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, on CPU
-EVAL_BATCH = 32  # prompts per sampler call in the in-loop eval (eval.evaluate's batch_size)
+EVAL_BATCH = 32  # prompts per sampler call in an eval: eval.py's --batch_size default, sft/grpo's in-loop evals
 
 
 def param_count(cfg: ModelConfig) -> int:

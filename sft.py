@@ -16,7 +16,7 @@ padding, so only the completion is learned; batches are right-padded.
 Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of
 a seeded stream of epoch permutations, rank r on its contiguous share, which it splits into
 micro-batches of similar lengths (at most --micro_batch rows and --micro_batch_tokens padded tokens;
-common.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
+packing.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
 in the whole global batch), so 1 process and N processes, and any micro-batch split, compute the
 same step (tests/test_sft.py checks it for DDP and FSDP2).
 
@@ -96,7 +96,6 @@ from common import (
     grad_sync,
     init_dist,
     lr_at,
-    micro_batches,
     parse_config,
     peak_mem_mb,
     print0,
@@ -110,97 +109,99 @@ from eval import evaluate
 from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
+from packing import micro_batches
 
 
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning on worked solutions (loss on completion tokens only)."""
-    # model
-    init: str | None = flag(None, "HF model dir to start from (none: fresh --model preset)")
-    model: str = flag("demo", "preset for a fresh model with the char tokenizer (model.PRESETS)")
-    model_overrides: str = flag("", "changes to the preset, e.g. 'num_hidden_layers=3'")
+    init: str | None = flag(None, "HF model dir to start from (none: fresh --model preset)", section="model")
+    model: str = flag("demo", "preset for a fresh model with the char tokenizer (model.PRESETS)", section="model")
+    model_overrides: str = flag("", "changes to the preset, e.g. 'num_hidden_layers=3'", section="model")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
-                             "MAX_PARAMS); false lifts them")
-    # data
-    task: str = flag("arith", "arith | gsm8k | math")
-    split: str = flag("train[:5%]", "training problems (with worked solutions)")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)")
-    data_seed: int = flag(0, "seed of the built-in task's problems")
-    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)")
-    template: str = flag("short", "prompt template: short | r1 | chat")
-    # LoRA (off by default: every weight trains)
+                             "MAX_PARAMS); false lifts them", section="model")
+
+    task: str = flag("arith", "arith | gsm8k | math", section="data")
+    split: str = flag("train[:5%]", "training problems (with worked solutions)", section="data")
+    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="data")
+    data_seed: int = flag(0, "seed of the built-in task's problems", section="data")
+    task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)", section="data")
+    template: str = flag("short", "prompt template: short | r1 | chat", section="data")
+
     lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base (0 = off, full "
-                          "fine-tuning)")
-    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)")
+                          "fine-tuning)", section="LoRA (off by default: every weight trains)")
+    lora_alpha: float = flag(32.0, "LoRA alpha: the update is scaled by alpha / r",
+                             section="LoRA (off by default: every weight trains)")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (training only)",
+                               section="LoRA (off by default: every weight trains)")
     lora_targets: tuple[str, ...] = flag(LORA_TARGETS,
-                                         "projections that get adapters (comma list)")
+                                         "projections that get adapters (comma list)",
+                                         section="LoRA (off by default: every weight trains)")
     lora_base_dtype: str = flag("float32", "dtype of the frozen base weights",
-                                choices=["float32", "bfloat16"])
-    # optimisation
-    global_batch: int = flag(32, "sequences per optimizer step, over all ranks")
-    micro_batch: int = flag(16, "sequences per forward/backward, at most (0 = no limit)")
-    steps: int = flag(8000, "optimizer steps (an upper bound with --stop_pass1)")
+                                choices=["float32", "bfloat16"], section="LoRA (off by default: every weight trains)")
+
+    global_batch: int = flag(32, "sequences per optimizer step, over all ranks", section="optimisation")
+    micro_batch: int = flag(16, "sequences per forward/backward, at most (0 = no limit)", section="optimisation")
+    steps: int = flag(8000, "optimizer steps (an upper bound with --stop_pass1)", section="optimisation")
     max_minutes: float = flag(0.0, "stop after this much training wall time, eval excluded (0 = "
-                              "off)")
-    lr: float = flag(3e-3, "peak learning rate")
-    warmup: int = flag(50, "linear warmup steps")
+                              "off)", section="optimisation")
+    lr: float = flag(3e-3, "peak learning rate", section="optimisation")
+    warmup: int = flag(50, "linear warmup steps", section="optimisation")
     min_lr_ratio: float = flag(1.0, "cosine floor at --steps, as a fraction of --lr (1.0 = "
-                               "constant after warmup)")
-    weight_decay: float = flag(1.0, "AdamW weight decay (matrices only)")
-    beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.98, "AdamW beta2")
-    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)")
-    seed: int = flag(0, "seed of the init and the data order")
-    # memory
+                               "constant after warmup)", section="optimisation")
+    weight_decay: float = flag(1.0, "AdamW weight decay (matrices only)", section="optimisation")
+    beta1: float = flag(0.9, "AdamW beta1", section="optimisation")
+    beta2: float = flag(0.98, "AdamW beta2", section="optimisation")
+    grad_clip: float = flag(1.0, "clip the global grad norm to this (0 = off)", section="optimisation")
+    seed: int = flag(0, "seed of the init and the data order", section="optimisation")
+
     micro_batch_tokens: int = flag(0, "padded tokens per forward/backward, at most (rows x longest "
-                                   "row; rows grouped by length; 0 = off)")
+                                   "row; rows grouped by length; 0 = off)", section="memory")
     activation_checkpointing: bool = flag(False, "recompute each transformer block in backward: "
-                                          "activations of one block, not all (+1 forward)")
-    dry_run: bool = flag(False, "print the memory estimate per rank and exit")
-    # held-out evaluation and stopping
-    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)")
-    eval_split: str = flag("test[-200:]", "held-out problems for the in-loop eval")
-    max_new_tokens: int = flag(64, "completion length limit in the in-loop eval")
-    stop_pass1: float = flag(0.15, "stop once held-out pass@1 >= this (0 = run --steps)")
-    stop_patience: int = flag(2, "... in this many consecutive evals (filters lucky ones)")
+                                          "activations of one block, not all (+1 forward)", section="memory")
+    dry_run: bool = flag(False, "print the memory estimate per rank and exit", section="memory")
+
+    eval_every: int = flag(50, "evaluate held-out greedy pass@1 every N steps (0 = off)",
+                           section="held-out evaluation and stopping")
+    eval_split: str = flag("test[-200:]", "held-out problems for the in-loop eval",
+                           section="held-out evaluation and stopping")
+    max_new_tokens: int = flag(64, "completion length limit in the in-loop eval",
+                               section="held-out evaluation and stopping")
+    stop_pass1: float = flag(0.15, "stop once held-out pass@1 >= this (0 = run --steps)",
+                             section="held-out evaluation and stopping")
+    stop_patience: int = flag(2, "... in this many consecutive evals (filters lucky ones)",
+                              section="held-out evaluation and stopping")
     stop_plateau: int = flag(4, "... and then train on until held-out pass@1 stops climbing: the mean of "
-                             "the last N evals at most --stop_delta above the N before (0 = stop at the bar)")
-    stop_delta: float = flag(0.02, "the rise in pass@1 per --stop_plateau evals that still counts as climbing")
+                             "the last N evals at most --stop_delta above the N before (0 = stop at the bar)",
+                             section="held-out evaluation and stopping")
+    stop_delta: float = flag(0.02, "the rise in pass@1 per --stop_plateau evals that still counts as climbing",
+                             section="held-out evaluation and stopping")
     stop_floor: float = flag(0.3, "... and the plateau counts only where the mean of its last --stop_plateau "
-                             "evals is at least this (0 = any level)")
-    # infrastructure
-    dist: str = flag("ddp", "under torchrun: ddp | fsdp", choices=["ddp", "fsdp"])
-    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails")
+                             "evals is at least this (0 = any level)", section="held-out evaluation and stopping")
+
+    dist: str = flag("ddp", "under torchrun: ddp | fsdp", choices=["ddp", "fsdp"], section="infrastructure")
+    dist_timeout: float = flag(600.0, "seconds before a stuck collective fails", section="infrastructure")
     dtype: str = flag("float32", "compute dtype; bfloat16: bf16 matmuls over fp32 weights and "
                       "AdamW state (autocast, or FSDP2 mixed precision)",
-                      choices=["float32", "bfloat16"])
+                      choices=["float32", "bfloat16"], section="infrastructure")
     weights_dtype: str = flag("float32", "storage dtype of weights and AdamW state; bfloat16 "
                               "halves it but loses small updates (needs --dtype bfloat16)",
-                              choices=["float32", "bfloat16"])
+                              choices=["float32", "bfloat16"], section="infrastructure")
     progress_every: float = flag(30.0, "seconds between progress lines when the output is a file "
-                                 "or pipe (a terminal gets a bar)")
-    out_dir: str = flag("runs/sft", "run directory; the final model goes to OUT/model")
-    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)")
+                                 "or pipe (a terminal gets a bar)", section="infrastructure")
+    out_dir: str = flag("runs/sft", "run directory; the final model goes to OUT/model", section="infrastructure")
+    save_every: int = flag(0, "checkpoint every N steps (0 = only at the end)", section="infrastructure")
     save_minutes: float = flag(30.0, "also checkpoint once this much wall time has passed since the "
-                               "last checkpoint (0 = off): a crash loses at most that much")
-    keep: int = flag(2, "checkpoints to keep")
+                               "last checkpoint (0 = off): a crash loses at most that much", section="infrastructure")
+    keep: int = flag(2, "checkpoints to keep", section="infrastructure")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
-                       "none: start fresh | PATH: that checkpoint")
-    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir")
-    # optional loggers (metrics.jsonl is always written)
+                       "none: start fresh | PATH: that checkpoint", section="infrastructure")
+    overwrite: bool = flag(False, "start over, deleting the run already in --out_dir", section="infrastructure")
+
     wandb: str = flag("", "also log metrics to this Weights & Biases project (pip install wandb; "
-                      "WANDB_MODE=offline works)")
+                      "WANDB_MODE=offline works)", section="optional loggers (metrics.jsonl is always written)")
     tensorboard: bool = flag(False, "also write TensorBoard events to OUT/tb (pip install "
-                             "tensorboard)")
-
-
-# what a resumed run must share with the run that wrote its checkpoint (the model, the data, the
-# batch, the stored weights' dtype): --resume refuses a checkpoint that differs in these; other
-# flags (lr, steps, micro_batch, dist, the compute --dtype, ...) may change
-RESUME_MUST_MATCH = ("init", "model", "model_overrides", "task", "split", "data_path", "data_seed", "task_knobs",
-                     "template", "global_batch", "seed", "weights_dtype", "lora_rank", "lora_alpha", "lora_targets",
-                     "lora_base_dtype")
+                             "tensorboard)", section="optional loggers (metrics.jsonl is always written)")
 
 
 # -----------------------------------------------------------------------------
@@ -233,21 +234,16 @@ def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype: str = "f
     return -(logp * mask).sum()
 
 
-def reached_bar(history: list[float], target: float, patience: int) -> bool:
-    """Whether the last `patience` held-out evals all reach `target` (one lucky eval is not enough;
-    0 = off)."""
-    recent = history[-patience:]
-    return target > 0 and len(recent) == patience and min(recent) >= target
-
-
 def bar_reached(history: list[float], target: float, patience: int) -> bool:
-    """Whether reached_bar held at any eval so far (a later dip does not undo it)."""
-    return any(reached_bar(history[: i + 1], target, patience) for i in range(len(history)))
+    """Whether `patience` consecutive held-out evals have all reached `target` at some eval so far (one lucky eval
+    is not enough; a later dip does not undo it; target 0 = off)."""
+    windows = (history[i - patience : i] for i in range(patience, len(history) + 1))
+    return target > 0 and patience > 0 and any(min(w) >= target for w in windows)
 
 
 def should_stop(history: list[float], target: float, patience: int, window: int, delta: float,
                 floor: float = 0.0) -> bool:
-    """--stop_pass1: the bar reached (reached_bar at some eval so far), and then, with window > 0, held-out
+    """--stop_pass1: the bar reached (bar_reached), and then, with window > 0, held-out
     pass@1 no longer climbing, at `floor` or above: the mean of the last `window` evals is at least `floor` and
     at most `delta` above the mean of the `window` evals before them. (SFT's jump from memorising to the
     arithmetic passes the bar on its way up, and evals of 200 problems scatter by +-0.05, so a low start can
@@ -362,7 +358,9 @@ def main(argv=None):
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
-    resume_from = resume_point(cfg, d, RESUME_MUST_MATCH)  # the checkpoint to continue from, or None
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
+    # preset and the batch (--micro_batch may change)
+    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
 
     # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's)

@@ -1,6 +1,6 @@
-r"""Our answer check (rewards.answers_match) against math-verify on a corpus built from MATH-500 golds.
+r"""Our answer check (verifier.answers_match) against math-verify on a corpus built from MATH-500 golds.
 
-    pip install -e ".[bench]"      # math-verify (and sympy): this script only, never imported by rewards.py
+    pip install -e ".[bench]"      # math-verify (and sympy): this script only, never imported by verifier.py
     python scripts/verifier_vs_mathverify.py --data ../shared/data/math500/test.jsonl
 
 The corpus: every gold answer rewritten by hand-written rules into forms that are the same answer ("same") or a
@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import rewards  # noqa: E402
+import verifier  # noqa: E402
 
 # ---------------------------------------------------------------- rewrite rules: gold -> candidate or None
 
@@ -210,7 +210,7 @@ def build_corpus(rows, seed=0):
 
 
 def ours(pred, gold):
-    return rewards.answers_match(pred, gold)
+    return verifier.answers_match(pred, gold)
 
 
 def make_mathverify():
@@ -223,7 +223,7 @@ def make_mathverify():
     return check
 
 
-ADVERSARIAL = [  # built to hit every bound of rewards.py: caps, depth, budget, big numbers, long lists
+ADVERSARIAL = [  # built to hit every bound of verifier.py: caps, depth, budget, big numbers, long lists
     "(" * 500 + "1" + ")" * 500, "\\sqrt{" * 300 + "2" + "}" * 300, "9^{" * 200 + "9" + "}" * 200,
     "+".join(f"\\frac{{1}}{{{p}}}" for p in range(2, 80)), "x" + "+x" * 199, ",".join(["\\sqrt{2}x"] * 60),
     "\\{" + ",".join(str(k) for k in range(31)) + "\\}", "2^{4096}" + "*2^{4096}" * 40, "9" * 999,

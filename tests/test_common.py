@@ -9,20 +9,19 @@ import pytest
 import torch
 
 import common
+import packing
 
 
 @dataclass
 class Cfg:
     """A test config."""
-    # optimisation
-    lr: float = field(default=1e-3, metadata={"help": "learning rate"})
-    steps: int = field(default=10, metadata={"help": "number of steps"})
-    # naming and switches
-    name: str = field(default="a", metadata={"help": "a name", "choices": ["a", "b"]})
-    flag: bool = field(default=False, metadata={"help": "a switch"})
-    on: bool = field(default=True, metadata={"help": "on by default"})
-    init: str | None = field(default=None, metadata={"help": "optional path"})
-    ks: tuple[int, ...] = field(default=(1, 8), metadata={"help": "k values"})
+    lr: float = common.flag(1e-3, "learning rate", section="optimisation")
+    steps: int = common.flag(10, "number of steps", section="optimisation")
+    name: str = common.flag("a", "a name", choices=["a", "b"], section="naming and switches")
+    flag: bool = common.flag(False, "a switch", section="naming and switches")
+    on: bool = field(default=True, metadata={"help": "on by default", "section": "naming and switches"})
+    init: str | None = common.flag(None, "optional path", section="naming and switches")
+    ks: tuple[int, ...] = common.flag((1, 8), "k values", section="naming and switches")
 
 
 def test_parse_config_defaults_and_types():
@@ -57,7 +56,7 @@ def _help_sections(text: str) -> dict[str, list[str]]:
     return sections
 
 
-def test_help_is_grouped_by_the_config_comments(capsys):
+def test_help_is_grouped_by_each_flags_section(capsys):
     with pytest.raises(SystemExit):
         common.parse_config(Cfg, ["--help"])
     got = _help_sections(capsys.readouterr().out)
@@ -188,7 +187,7 @@ def test_grad_clip_zero_is_off():
 
 @pytest.mark.parametrize("lengths", [[5, 3, 8, 2, 2, 7, 1], [8] * 4, [1] * 9, [6]])
 def test_pack_rows_places_every_sequence_once_within_the_width(lengths):
-    rows = common.pack_rows(lengths, 8)
+    rows = packing.pack_rows(lengths, 8)
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
     # first-fit decreasing is within 11/9 OPT + 1 rows; OPT >= the tokens over the width

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import grpo
+import packing
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -149,7 +150,7 @@ def test_training_batch_positions():
     """The log-prob of completion token t is read at position len(prompt) - 1 + t of the right-padded row."""
     prompts = [[5, 6, 7], [8]]
     comp = torch.tensor([[1, 2, 0], [3, 4, 9]])
-    inputs, targets, pos, prompt_of = grpo.training_batch(prompts, comp, [2, 3], pad_id=0)
+    inputs, targets, pos, prompt_of = packing.training_batch(prompts, comp, [2, 3], pad_id=0)
     assert prompt_of == [(0, 3), (1, 1)]
     assert inputs.tolist() == [[5, 6, 7, 1], [8, 3, 4, 0]]
     assert targets.tolist() == [[6, 7, 1, 2], [3, 4, 9, -1]]  # -1: padding, never read
@@ -247,7 +248,7 @@ def test_clip_fractions_are_measured_on_every_pass(tiny_dir):
     w = lmask / lmask.sum()
     lengths = roll.lengths.tolist()
     rp = [p for p in prompts for _ in range(4)]
-    batch = grpo.training_batch(rp, roll.tokens, lengths, 0)
+    batch = packing.training_batch(rp, roll.tokens, lengths, 0)
     seq_len = [len(p) - 1 + n for p, n in zip(rp, lengths)]
 
     def run(m, mu):

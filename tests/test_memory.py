@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import common
 import grpo
 import model as M
+import packing
 import sft
 from lora import LORA_TARGETS, add_lora
 from memory import block_activation_bytes, lora_activation_bytes, lora_param_count, memory_estimate, param_count
@@ -127,7 +127,7 @@ def test_logit_chunks_are_long_at_a_real_vocab():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 60), max_size=30), st.integers(0, 6), st.integers(0, 150))
 def test_micro_batches_partition_within_budgets(lengths, max_rows, max_tokens):
-    groups = common.micro_batches(lengths, max_rows, max_tokens)
+    groups = packing.micro_batches(lengths, max_rows, max_tokens)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row exactly once
     longest = [max(lengths[i] for i in g) for g in groups]
     assert longest == sorted(longest, reverse=True)  # grouped by length, longest first
@@ -139,10 +139,10 @@ def test_micro_batches_partition_within_budgets(lengths, max_rows, max_tokens):
 
 def test_micro_batches_group_similar_lengths():
     # two long and two short rows, interleaved: paired by length, not by position (padding 2 tokens, not 88)
-    assert common.micro_batches([5, 50, 6, 49], max_rows=2) == [[1, 3], [0, 2]]
-    assert common.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=100) == [[1, 3], [0, 2]]
-    assert common.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=0) == [[0, 1, 2, 3]]
-    assert common.micro_batches([500, 6], max_rows=8, max_tokens=100) == [[0], [1]]  # a long row goes alone
+    assert packing.micro_batches([5, 50, 6, 49], max_rows=2) == [[1, 3], [0, 2]]
+    assert packing.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=100) == [[1, 3], [0, 2]]
+    assert packing.micro_batches([5, 50, 6, 49], max_rows=0, max_tokens=0) == [[0, 1, 2, 3]]
+    assert packing.micro_batches([500, 6], max_rows=8, max_tokens=100) == [[0], [1]]  # a long row goes alone
 
 
 def _grads(model):
@@ -158,7 +158,7 @@ def test_sft_token_budget_same_loss_and_grads_as_one_batch():
         ids = torch.randint(3, 61, (n_prompt + n_target,), generator=gen).tolist()
         examples.append(sft.build_example(ids[:n_prompt], ids[n_prompt:], eos_id=2))
     model = _model()
-    groups = common.micro_batches([len(x) - 1 for x, _ in examples], max_rows=0, max_tokens=30)
+    groups = packing.micro_batches([len(x) - 1 for x, _ in examples], max_rows=0, max_tokens=30)
     assert len(groups) >= 3
     total = 0.0
     for g in groups:
@@ -208,19 +208,19 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path, grouped):
     mask = torch.arange(Tc)[None, :] < torch.tensor(n_comp)[:, None]  # (N, Tc)
     adv = torch.tensor(adv)[:, None]
     w = mask.float() / mask.sum()  # dapo-like token weights
-    batch = grpo.training_batch(prompts, comp, n_comp, pad_id=0)
+    batch = packing.training_batch(prompts, comp, n_comp, pad_id=0)
     seq_len = [len(p) - 1 + n for p, n in zip(prompts, n_comp)]
     trained = [i for i in range(N) if adv[i] != 0]
     if not grouped:  # seq_len 10, 12, 17, 7, 9, 6: the 5 rows that train packed into 4 rows of 17 tokens:
         # [17], [12], [10, 6], [9]
-        assert grpo.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
+        assert packing.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
         # --share_prompt with no prompt shared: still one row of them all (54 < 4 x 17 tokens), attended segment by
         # segment (prefix: model.packed_attention), not through a dense mask over the whole row
-        mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)
+        mb = packing.micro_batch(*batch, trained, seq_len, True, share=True)
         assert mb["tokens"].shape == (1, 54) and "prefix" in mb
     else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared, all in one row: [3 + 7 + 2 + 12 = 24, 10 + 5 + 9 = 24,
         # 3, 4] (the single-token prompt shares nothing)
-        mb = grpo.micro_batch(*batch, trained, seq_len, True, share=True)
+        mb = packing.micro_batch(*batch, trained, seq_len, True, share=True)
         assert mb["tokens"].shape == (1, 55) and "prefix" in mb
     grads = []
     # one batch, padded or packed (--pack: sequences share rows; --share_prompt: a group's rows their prompt);

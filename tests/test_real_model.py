@@ -17,7 +17,7 @@ import eval as eval_script
 import grpo
 import sampler
 import sft
-from model import load_model, load_tokenizer, stop_and_pad_ids
+from hf import load_model, load_tokenizer, stop_and_pad_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import get_model  # noqa: E402

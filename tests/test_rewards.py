@@ -1,4 +1,4 @@
-"""rewards.py: answer matching tables, strict R1 parsing, reward components, fuzzing, and the real GSM8K/MATH golds."""
+"""rewards.py and verifier.py: answer matching tables, strict R1 parsing, reward components, fuzzing, real golds."""
 
 import ast
 import json
@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rewards
-from rewards import answers_match, extract_answer, parse_r1, parse_weights, reward
+import verifier
+from rewards import extract_answer, parse_r1, parse_weights, reward
+from verifier import answers_match
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TIME_BOUND_S = 1.0  # documented per-call bound; measured worst is ~10 ms, the slack is for a busy shared machine
@@ -218,7 +220,7 @@ def test_extract_answer_votes_equal_answers_together():
 
 
 def test_rewards_does_not_import_torch_or_sympy():
-    code = ("import sys, rewards; rewards.answers_match('\\\\sqrt8', '2\\\\sqrt2'); "
+    code = ("import sys, rewards, verifier; verifier.answers_match('\\\\sqrt8', '2\\\\sqrt2'); "
             "print([m for m in ('torch', 'sympy', 'math_verify') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, check=True)
@@ -226,10 +228,11 @@ def test_rewards_does_not_import_torch_or_sympy():
 
 
 def test_rewards_never_evaluates_text():
-    # no call of eval/exec/compile/__import__ anywhere in rewards.py: answers are parsed, never run
-    tree = ast.parse(Path(rewards.__file__).read_text())
-    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    assert not called & {"eval", "exec", "compile", "__import__"}
+    # no call of eval/exec/compile/__import__ anywhere in rewards.py or verifier.py: answers are parsed, never run
+    for module in (rewards, verifier):
+        tree = ast.parse(Path(module.__file__).read_text())
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert not called & {"eval", "exec", "compile", "__import__"}
 
 
 # ---------------------------------------------------------------- the answer grammar: values, not strings
@@ -493,7 +496,7 @@ def test_math500_golds_match_themselves():
         gold = row["answer"]
         boxed_ok = answers_match(f"The answer is $\\boxed{{{gold}}}$.", gold)
         block_ok = reward(f"<think>work</think> <answer>{gold}</answer>", gold)["correct"] == 1.0
-        solution_ok = answers_match(rewards.last_boxed(row["solution"]) or "", gold)  # the solution's own \boxed{}
+        solution_ok = answers_match(verifier.last_boxed(row["solution"]) or "", gold)  # the solution's own \boxed{}
         if not (boxed_ok and block_ok and solution_ok):
             misses.append(gold)
     assert not misses, misses[:10]

@@ -122,11 +122,12 @@ def test_save_minutes_checkpoints_by_wall_time(tmp_path):
 
 
 def test_stop_bar_needs_consecutive_evals():
-    assert sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
-    assert not sft.reached_bar([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough
-    assert not sft.reached_bar([0.3], 0.15, 2) and not sft.reached_bar([0.3, 0.3], 0.0, 2)  # too few; off
+    at_bar_now = lambda h, target, patience: sft.bar_reached(h[-patience:], target, patience)  # the last evals
+    assert at_bar_now([0.05, 0.2, 0.1, 0.16, 0.15], 0.15, 2)
+    assert not at_bar_now([0.05, 0.2, 0.1, 0.16, 0.14], 0.15, 2)  # one lucky eval is not enough
+    assert not at_bar_now([0.3], 0.15, 2) and not at_bar_now([0.3, 0.3], 0.0, 2)  # too few; off
     # reached once, then a dip: the bar was reached (no "never reached" warning at the end of such a run)
-    assert sft.bar_reached([0.2, 0.2, 0.1], 0.15, 2) and not sft.reached_bar([0.2, 0.2, 0.1], 0.15, 2)
+    assert sft.bar_reached([0.2, 0.2, 0.1], 0.15, 2) and not at_bar_now([0.2, 0.2, 0.1], 0.15, 2)
     assert not sft.bar_reached([0.2, 0.1, 0.2], 0.15, 2)
 
 

@@ -1,0 +1,968 @@
+r"""Answer equivalence: is a model's answer the same as the gold one? (`answers_match`; rewards.py scores with it.)
+
+Pure Python on purpose: no torch, no sympy, and nothing ever evaluates model text (no eval/exec/sympify). Model
+output is hostile input, so every function here takes time linear (or, on the capped answer, at worst quadratic)
+in its input, never raises on any string, and never runs a regex that can backtrack catastrophically.
+
+`answers_match` normalises both sides to a whitespace-free string, then compares:
+1. the strings, or both as exact numbers (to_number: 72.00, .5, 3/4, \frac{3}{4}, mixed 1\frac{4}{5});
+2. else the values of their trees (parse_answer: a bounded recursive-descent parser, no eval/exec/sympy).
+Normalisation: the last \boxed{}/\fbox{}; \( \) \[ \] $ $$ \displaystyle \left \right dropped; \dfrac \tfrac
+\cfrac -> \frac; \text \textnormal \mbox \mathrm ... unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5);
+spacing (\! \, \;) and whitespace dropped, except one space between a command and a letter ("\cot x" is not
+"\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit words go when what is left is a constant ("72 clips",
+"2\sqrt{2} cm"); "(C)" -> "C". Thousands separators ("1,000", "10,\!080") only when the whole
+answer is that one number with no space after a comma: "32, 349" is the list 32, 349 (a GSM8K model writes
+"32,349"; MATH lists are written with ", ").
+Values (see the grammar section below for the tree and its bounds):
+- rationals exactly (fractions.Fraction), exact roots included (\sqrt{4} = 2, 8^{2/3} = 4); two rationals never
+  match approximately unless `tolerance` > 0.
+- anything with radicals, pi, e, i, functions or variables: evaluated in complex floats at NUM_POINTS seeded
+  points (each variable in [0.5, 2.5), the same name the same value on both sides), equal when
+  |a - b| <= NUM_RTOL * max(1, |a|, |b|) at every point defined on both sides (at least 3). So 2\sqrt{33}+15
+  matches 15+2\sqrt{33}, \frac{x}{7}+\frac{2}{7} matches \frac{x+2}{7}, and a rational within NUM_RTOL of an
+  irrational would too (a decimal does not: 1.4142135623 is not \sqrt{2}, see `tolerance`).
+- `tolerance` (--reward_tolerance, 0 by default): > 0 lets numbers match within that relative error, so
+  0.0833333333333333 matches \frac{1}{12}.
+- tuples and intervals in order with the same brackets ("(3,4]" != "(3,4)"); sets, bare lists ("1,-2": MATH's
+  "all solutions, separated by commas") and unions order-free; matrices element-wise; relations side by side
+  after writing > as < ("5 \geq x" is "x \leq 5"), = either way round; "x \le 5" matches "(-\infty, 5]";
+  "k = 1" matches 1. Words (letter runs of 3 or more: "even") are compared as strings only.
+Time is bounded: answers over MAX_ANSWER_CHARS are rejected (MATH golds are < 200 characters), every scan is
+hand-written or a regex that cannot backtrack, and the tree comparison is capped by MAX_TOKENS, MAX_DEPTH,
+MAX_ITEMS, MAX_BITS and STEP_BUDGET (worst case: see the grammar section). tests/test_rewards.py fuzzes it.
+"""
+
+import cmath
+import math
+import re
+import zlib
+from fractions import Fraction
+
+MAX_ANSWER_CHARS = 1_000  # answers_match rejects longer answers (MATH golds are < 200 chars)
+
+
+# ---------------------------------------------------------------- normalisation helpers
+
+
+def _brace_end(s: str, i: int) -> int:
+    """Index just past the group opened by s[i] == "{", skipping escaped \\{ \\}; -1 if unbalanced."""
+    depth = 0
+    j = i
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return -1
+
+
+def last_boxed(s: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in s, braces balanced; None if there is none."""
+    start = max(s.rfind("\\boxed"), s.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if s.startswith("\\boxed", start) else len("\\fbox"))
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i < len(s) and s[i] == "{":
+        end = _brace_end(s, i)
+        return s[i + 1 : end - 1] if end > 0 else None
+    # "\boxed 5" form: the argument runs to the next "$" or end
+    end = s.find("$", i)
+    return s[i : end if end >= 0 else len(s)].strip() or None
+
+
+def _unwrap(s: str, cmd: str, sep: str = " ") -> str:
+    """Replace every `cmd{X}` by sep + X + sep (\\text{ cm} -> " cm "); unbalanced groups are left as they are."""
+    out, i = [], 0
+    while True:
+        j = s.find(cmd, i)
+        if j < 0:
+            break
+        k = j + len(cmd)
+        if k < len(s) and s[k].isalpha():  # \textbf when looking for \text: a different command
+            out.append(s[i:k])
+            i = k
+            continue
+        while k < len(s) and s[k] == " ":
+            k += 1
+        end = _brace_end(s, k) if k < len(s) and s[k] == "{" else -1
+        if end < 0:
+            out.append(s[i:k])
+            i = k
+            continue
+        out.append(s[i:j] + sep + s[k + 1 : end - 1] + sep)
+        i = end
+    out.append(s[i:])
+    return "".join(out)
+
+
+def _latex_arg(s: str, i: int) -> tuple[str, int] | None:
+    """One argument at s[i]: a {group}, a \\command, or a single character. Returns (content, next index)."""
+    while i < len(s) and s[i] == " ":  # "\frac 59"
+        i += 1
+    if i >= len(s):
+        return None
+    if s[i] == "{":
+        end = _brace_end(s, i)
+        return (s[i + 1 : end - 1], end) if end > 0 else None
+    if s[i] == "\\":
+        j = i + 1
+        while j < len(s) and s[j].isalpha():
+            j += 1
+        return s[i : max(j, i + 2)], max(j, i + 2)
+    return s[i], i + 1
+
+
+def _brace_args(s: str, cmd: str, nargs: int) -> str:
+    """Brace shorthand arguments: \\frac43 -> \\frac{4}{3}, \\frac 59 -> \\frac{5}{9}, \\sqrt2 -> \\sqrt{2}."""
+    out, i = [], 0
+    while True:
+        j = s.find(cmd, i)
+        if j < 0:
+            break
+        k = j + len(cmd)
+        if k < len(s) and (s[k].isalpha() or s[k] == "["):  # a longer command name, or \sqrt[3]{x}
+            out.append(s[i:k])
+            i = k
+            continue
+        args = []
+        for _ in range(nargs):
+            arg = _latex_arg(s, k)
+            if arg is None:
+                break
+            args.append(arg[0])
+            k = arg[1]
+        if len(args) < nargs:
+            out.append(s[i:])
+            return "".join(out)
+        out.append(s[i:j] + cmd + "".join("{" + a + "}" for a in args))
+        i = k
+    out.append(s[i:])
+    return "".join(out)
+
+
+# Simple, unambiguous patterns (each character can be matched one way only), so matching is linear.
+_DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # "1,000": the whole answer, no space after commas
+_MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
+_UNIT_WORD = re.compile(r"[A-Za-z]{2,}\.?(?:\^\d|\^\{\d\})?")
+_SPACING = ("\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ", "~")
+_DROPPED = ("^{\\circ}", "^\\circ", "\\circ", "°", "\\%", "%", "\\$", "$", "\\displaystyle", "\\(", "\\)", "\\[", "\\]")
+_TEXT_COMMANDS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\mbox", "\\mathrm", "\\mathbf", "\\operatorname",
+                  "\\textnormal", "\\textsf", "\\texttt")
+
+
+def to_number(s: str) -> Fraction | None:
+    """Exact value of a normalised (space-free) number: 5, -3, +7, 1,000, 0.50, .5, 3/4, \\frac{3}{4}, 1\\frac{4}{5}."""
+    sign = 1
+    if s and s[0] in "+-":
+        sign, s = (-1 if s[0] == "-" else 1), s[1:]
+    if not s or len(s) > MAX_ANSWER_CHARS:
+        return None
+    if _DECIMAL.fullmatch(s):
+        whole, _, frac = s.partition(".")
+        return sign * Fraction(int(whole or "0") * 10 ** len(frac) + int(frac or "0"), 10 ** len(frac))
+    m = _MIXED.fullmatch(s)
+    if m:  # 1\frac{4}{5} is the mixed number 9/5 in MATH answers
+        whole, num, den = (int(g) for g in m.groups())
+        return sign * (whole + Fraction(num, den)) if den else None
+    if s.startswith("\\frac{"):
+        num_end = _brace_end(s, len("\\frac"))
+        if num_end > 0 and num_end < len(s) and s[num_end] == "{" and _brace_end(s, num_end) == len(s):
+            num, den = to_number(s[6 : num_end - 1]), to_number(s[num_end + 1 : -1])
+            return sign * num / den if num is not None and den else None
+        return None
+    if s.count("/") == 1:
+        num, den = s.split("/")
+        if _DECIMAL.fullmatch(num) and _DECIMAL.fullmatch(den):
+            num, den = to_number(num), to_number(den)
+            return sign * num / den if den else None
+    return None
+
+
+def _drop_thousands(s: str) -> str:
+    """"1,000" -> "1000" when the whole string is one number with thousands separators. A comma followed by a
+    space is a list separator ("32, 349" is two numbers), so the pattern holds no whitespace."""
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def _ends_with_command(s: str) -> bool:
+    """True if s ends in a LaTeX command name such as "\\cot"."""
+    k = len(s)
+    while k > 0 and s[k - 1].isascii() and s[k - 1].isalpha():
+        k -= 1
+    return 0 < k < len(s) and s[k - 1] == "\\"
+
+
+def normalize(answer: str) -> str | None:
+    """Canonical, whitespace-free form of an answer string (LaTeX or plain); None if it is too long to check."""
+    s = answer.strip()
+    if len(s) > MAX_ANSWER_CHARS:
+        return None
+    boxed = last_boxed(s)
+    if boxed is not None:
+        s = boxed
+    for variant in ("\\dfrac", "\\tfrac", "\\cfrac"):
+        s = s.replace(variant, "\\frac")
+    s = s.replace("−", "-")
+    s = re.sub(r"\\left(?![A-Za-z])|\\right(?![A-Za-z])", "", s)
+    for cmd in _TEXT_COMMANDS:
+        s = _unwrap(s, cmd)
+    s = s.replace("\\\\", ";")  # matrix/array row separator, kept apart from the "\ " spacing command
+    s = re.sub(r",\\!\s*", ",", s).replace("{,}", ",")  # "10,\!080", "10,\! 080", "10{,}080": thousands
+    for spacing in _SPACING:
+        s = s.replace(spacing, " ")
+    for junk in _DROPPED:
+        s = s.replace(junk, "")
+    s = _brace_args(_brace_args(s.strip().rstrip(".").strip(), "\\frac", 2), "\\sqrt", 1)
+    # Trailing unit words ("72 clips", "5.4 cents", "864 inches^2", "2\sqrt{2} cm") go only if what is left
+    # is a constant, so "\text{Evelyn}" or "p - q" are never touched.
+    words = []
+    for w in s.split():  # "inches ^2" -> "inches^2"
+        if w.startswith("^") and words:
+            words[-1] += w
+        else:
+            words.append(w)
+    s = _drop_thousands(" ".join(words))
+    for k in range(1, min(4, len(words))):  # at most three words: "dollars per hour"
+        if not _UNIT_WORD.fullmatch(words[-k]):
+            break
+        left = _drop_thousands(" ".join(words[:-k]))
+        if to_number(left.replace(" ", "")) is not None or _is_constant(left):
+            s = left
+            break
+    # Drop all whitespace except one space that separates a command from a letter ("\cot x" is not "\cotx").
+    # (Done piece by piece: no placeholder character, so a NUL in the input stays a NUL.)
+    pieces = s.split()
+    s = "".join(p if i == 0 or not (_ends_with_command(pieces[i - 1]) and p[0].isascii() and p[0].isalpha())
+                else " " + p for i, p in enumerate(pieces))
+    s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
+    if len(s) == 3 and s[0] == "(" and s[2] == ")" and s[1] in "ABCDE":  # multiple choice "(C)" -> "C"
+        s = s[1]
+    return s
+
+
+def _split_top(s: str) -> list[str]:
+    """Split s on commas not nested in (), [], {}."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def _as_sequence(s: str) -> tuple[str, list[str], str] | None:
+    """(open, items, close) for "(1,2)", "[3,4)", "1,-2" (bare list); None if s has no top-level comma."""
+    open_, close = "", ""
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _brace_balance_ok(s[1:-1]):
+        open_, close, s = s[0], s[-1], s[1:-1]
+    items = _split_top(s)
+    return (open_, items, close) if len(items) > 1 else None
+
+
+def _brace_balance_ok(s: str) -> bool:
+    depth = 0
+    for c in s:
+        depth += (c in "([{") - (c in ")]}")
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _atom_equal(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    x, y = to_number(a), to_number(b)
+    return x is not None and x == y
+
+
+def _canonical_atom(s: str) -> str:
+    x = to_number(s)
+    return s if x is None else str(x)
+
+
+# ---------------------------------------------------------------- the answer grammar: parse to a tree, never eval
+#
+# A normalised answer is tokenised (numbers, \commands, letter runs, single characters) and parsed by recursive
+# descent into a tree of tuples. Nothing is executed: the tree is walked by _exact (fractions.Fraction) and
+# _numeric (complex floats at seeded points), both of which only know the node kinds below.
+#   expressions  ("num", Fraction, written_as_decimal) ("const", "pi"|"e"|"i") ("var", name) ("inf",)
+#                ("add", [terms]) ("mul", [factors]) ("neg", x) ("inv", x) ("pow", base, exp)
+#                ("sqrt", x, index|None) ("fn", "\\sin", x) ("log", x, base|None) ("fact", x) ("abs", x)
+#   structures   ("seq", open, close, [items]) tuples and intervals, in order, brackets compared;
+#                ("set", [items]) \{..\} and bare comma lists, order-free; ("rel", [exprs], [ops]);
+#                ("union", [parts]); ("matrix", [[cells]])
+# Bounds: MAX_TOKENS tokens, MAX_DEPTH nested groups, MAX_ITEMS items per collection, exact numbers of at most
+# MAX_BITS bits (larger ones are compared numerically), and STEP_BUDGET node visits per answers_match call. The
+# parser reads tokens once with fixed lookahead (no backtracking). Worst case of one call: a few O(MAX_TOKENS)
+# parses, then at most STEP_BUDGET node visits, each one operation on numbers of at most MAX_BITS bits (an exact
+# root: Newton's method on them) or one complex float operation; over the budget the call returns False.
+
+MAX_TOKENS = 400
+MAX_DEPTH = 24
+MAX_ITEMS = 32
+MAX_BITS = 4096
+STEP_BUDGET = 20_000
+NUM_POINTS = 5  # seeded points at which expressions with variables are evaluated
+NUM_RTOL = 1e-10  # relative tolerance of the numeric comparison (|a - b| <= NUM_RTOL * max(1, |a|, |b|))
+
+_TOKEN = re.compile(r"\d+(?:\.\d*)?|\.\d+|\\[A-Za-z]+|\\.|[A-Za-z]+|\S")
+_REL_OPS = {"=": "=", "<": "<", ">": ">", "\\lt": "<", "\\gt": ">", "\\le": "<=", "\\leq": "<=",
+            "\\leqslant": "<=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=", "\\ne": "!=", "\\neq": "!="}
+_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
+_OPEN, _CLOSE = ("(", "[", "{", "\\{"), (")", "]", "}", "\\}")
+_GREEK = {"\\alpha", "\\beta", "\\gamma", "\\delta", "\\epsilon", "\\varepsilon", "\\theta", "\\lambda", "\\mu",
+          "\\phi", "\\varphi", "\\psi", "\\rho", "\\sigma", "\\tau", "\\omega", "\\nu", "\\xi", "\\eta", "\\kappa"}
+_FUNCS = {
+    "\\sin": cmath.sin, "\\cos": cmath.cos, "\\tan": cmath.tan, "\\cot": lambda z: 1 / cmath.tan(z),
+    "\\sec": lambda z: 1 / cmath.cos(z), "\\csc": lambda z: 1 / cmath.sin(z), "\\exp": cmath.exp,
+    "\\arcsin": cmath.asin, "\\arccos": cmath.acos, "\\arctan": cmath.atan, "\\sinh": cmath.sinh,
+    "\\cosh": cmath.cosh, "\\tanh": cmath.tanh, "\\ln": cmath.log, "\\log": cmath.log,  # \log: natural, as sympy
+}
+_ATOM_COMMANDS = {"\\frac", "\\sqrt", "\\pi", "\\infty", *_GREEK, *_FUNCS}
+
+
+class _Fail(Exception):
+    """The answer is outside the grammar (or over a bound): compare it as a string only."""
+
+
+def _tokenize(s: str) -> list[str]:
+    toks = []
+    for m in _TOKEN.finditer(s):
+        t = m.group()
+        if toks and toks[-1] in ("^", "_") and len(t) > 1 and (t[0].isdigit() or t[0].isalpha()):
+            toks.append(t[0])  # LaTeX: x^23 is x^2 * 3, x_12 is x_1 * 2
+            t = t[1:]
+        toks.append(t)
+        if len(toks) > MAX_TOKENS:
+            raise _Fail
+    return toks
+
+
+class _Parser:
+    """Recursive descent over a token list; every method consumes tokens or raises _Fail (one pass, no backtracking)."""
+
+    def __init__(self, toks: list[str]):
+        self.toks, self.i, self.depth = toks, 0, 0
+
+    def peek(self) -> str | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def take(self, want: str | None = None) -> str:
+        t = self.peek()
+        if t is None or (want is not None and t != want):
+            raise _Fail
+        self.i += 1
+        return t
+
+    def parse(self) -> tuple:
+        node = self.expr()
+        if self.i != len(self.toks):
+            raise _Fail
+        return node
+
+    def expr(self) -> tuple:  # term (+|- term)*
+        terms = [self.term()]
+        while self.peek() in ("+", "-"):
+            negative = self.take() == "-"
+            t = self.term()
+            terms.append(("neg", t) if negative else t)
+        return terms[0] if len(terms) == 1 else ("add", terms)
+
+    def term(self) -> tuple:  # signed factors joined by * / \cdot \times \div or juxtaposition (2\sqrt{3}, 3x)
+        factors = [self.signed()]
+        while True:
+            t = self.peek()
+            if t in ("*", "\\cdot", "\\times"):
+                self.take()
+                factors.append(self.signed())
+            elif t in ("/", "\\div"):
+                self.take()
+                factors.append(("inv", self.signed()))
+            elif t is not None and _starts_atom(t):
+                factors.append(self.power())
+            else:
+                break
+        return factors[0] if len(factors) == 1 else ("mul", factors)
+
+    def signed(self) -> tuple:
+        negative = False
+        while self.peek() in ("+", "-"):
+            negative ^= self.take() == "-"
+        node = self.power()
+        return ("neg", node) if negative else node
+
+    def power(self) -> tuple:  # atom!* (^ exponent)?
+        node = self.atom()
+        while self.peek() == "!":
+            self.take()
+            node = ("fact", node)
+        if self.peek() == "^":
+            self.take()
+            node = ("pow", node, self.exponent())
+        return node
+
+    def exponent(self) -> tuple:
+        if self.peek() == "{":
+            return self.group()
+        negative = False
+        while self.peek() in ("+", "-"):
+            negative ^= self.take() == "-"
+        node = self.atom()
+        return ("neg", node) if negative else node
+
+    def group(self) -> tuple:  # { expr }
+        self.take("{")
+        node = self.expr()
+        self.take("}")
+        return node
+
+    def arg(self) -> tuple:  # a command's argument: {group} or one atom
+        return self.group() if self.peek() == "{" else self.atom()
+
+    def atom(self) -> tuple:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _Fail
+        t = self.take()
+        if t[0].isdigit() or t[0] == ".":
+            node = self.number(t)
+        elif t in ("(", "{", "|"):
+            close = {"(": ")", "{": "}", "|": "|"}[t]
+            node = self.expr()
+            self.take(close)
+            node = ("abs", node) if t == "|" else node
+        elif t == "\\frac":
+            num = self.arg()
+            node = ("mul", [num, ("inv", self.arg())])
+        elif t == "\\sqrt":
+            index = None
+            if self.peek() == "[":
+                self.take()
+                index = self.expr()
+                self.take("]")
+            node = ("sqrt", self.arg(), index)
+        elif t in ("\\pi", "e", "i"):
+            node = ("const", t.lstrip("\\"))
+        elif t == "\\infty":
+            node = ("inf",)
+        elif t in _GREEK:
+            node = ("var", t)
+        elif t in _FUNCS:
+            node = self.function(t)
+        elif t.isascii() and t.isalpha() and len(t) == 1:
+            node = ("var", t + self.subscript())
+        elif t.isascii() and t.isalpha() and len(t) == 2:  # "xy" is x*y; longer letter runs are words
+            node = ("mul", [self.letter(t[0]), self.letter(t[1])])
+        else:
+            raise _Fail
+        self.depth -= 1
+        return node
+
+    def number(self, t: str) -> tuple:
+        value = Fraction(t)
+        # 1\frac{4}{5} is the mixed number 9/5 in MATH answers (integer, then a fraction of two integers)
+        k = self.i
+        toks = self.toks
+        if "." not in t and toks[k : k + 2] == ["\\frac", "{"] and k + 7 <= len(toks) and toks[k + 3] == "}":
+            num, den = toks[k + 2], toks[k + 5]
+            if toks[k + 4] == "{" and toks[k + 6] == "}" and num.isdigit() and den.isdigit() and int(den):
+                self.i = k + 7
+                return ("num", value + Fraction(int(num), int(den)), False)
+        return ("num", value, "." in t)
+
+    def subscript(self) -> str:  # x_1, a_{n+1}: part of the variable's name
+        if self.peek() != "_":
+            return ""
+        self.take()
+        if self.peek() != "{":
+            return "_" + self.take()
+        start = self.i
+        self.group()
+        return "_" + "".join(self.toks[start : self.i])
+
+    @staticmethod
+    def letter(c: str) -> tuple:
+        return ("const", c) if c in "ei" else ("var", c)
+
+    def function(self, name: str) -> tuple:  # \sin x, \sin(x), \sin^2 x, \log_2 8
+        power = base = None
+        if self.peek() == "^":
+            self.take()
+            power = self.exponent()
+        if name == "\\log" and self.peek() == "_":
+            self.take()
+            base = self.arg()
+        x = self.power()
+        node = ("log", x, base) if name == "\\log" else ("fn", name, x)
+        return ("pow", node, power) if power is not None else node
+
+
+def _starts_atom(t: str) -> bool:
+    """Can token t begin a factor of an implicit product (2x, 3\\sqrt{2}, x(y+1))?"""
+    return t[0].isdigit() or t[0] == "." or t in ("(", "{") or t in _ATOM_COMMANDS or (t.isascii() and t.isalpha())
+
+
+def _split(toks: list[str], seps) -> tuple[list[list[str]], list[str]]:
+    """Split a token list at separators outside any bracket; returns (parts, separators found)."""
+    parts, found, depth, start = [], [], 0, 0
+    for k, t in enumerate(toks):
+        if t in _OPEN:
+            depth += 1
+        elif t in _CLOSE:
+            depth -= 1
+        elif depth == 0 and t in seps:
+            parts.append(toks[start:k])
+            found.append(t)
+            start = k + 1
+    parts.append(toks[start:])
+    return parts, found
+
+
+def _balanced(toks: list[str]) -> bool:
+    depth = 0
+    for t in toks:
+        depth += (t in _OPEN) - (t in _CLOSE)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _structure(toks: list[str], level: int = 0) -> tuple:
+    """The tree of a whole answer: union, relation, \\in, set, tuple/interval, bare list, or one expression."""
+    if level > 3 or not toks:
+        raise _Fail
+    parts, _ = _split(toks, ("\\cup",))
+    if len(parts) > 1:
+        return ("union", [_structure(p, level + 1) for p in parts])
+    parts, ops = _split(toks, _REL_OPS)
+    if ops:
+        return ("rel", [_Parser(p).parse() for p in parts], [_REL_OPS[o] for o in ops])
+    if toks.count("\\pm") == 1:  # 1 \pm \sqrt{2}: the set of its two values
+        k = toks.index("\\pm")
+        return ("set", [_structure(toks[:k] + [sign] + toks[k + 1 :], level + 1) for sign in ("+", "-")])
+    parts, _ = _split(toks, ("\\in",))
+    if len(parts) == 2 and len(parts[0]) == 1 and parts[0][0].isalpha():  # x \in [1, 2]
+        return _structure(parts[1], level + 1)
+    if toks == ["\\emptyset"] or toks == ["\\varnothing"]:
+        return ("set", [])
+    if toks[0] == "\\{" and toks[-1] == "\\}" and _balanced(toks[1:-1]):
+        items = _split(toks[1:-1], (",",))[0] if len(toks) > 2 else []
+        return ("set", [_structure(p, level + 1) for p in items])
+    if toks[0] in ("(", "[") and toks[-1] in (")", "]") and _balanced(toks[1:-1]):
+        items = _split(toks[1:-1], (",",))[0]
+        if len(items) > 1:
+            return ("seq", toks[0], toks[-1], [_structure(p, level + 1) for p in items])
+    items = _split(toks, (",",))[0]
+    if len(items) > 1:
+        return ("set", [_structure(p, level + 1) for p in items])
+    return _Parser(toks).parse()
+
+
+def _matrix(s: str) -> tuple | None:
+    """\\begin{pmatrix} a & b ; c & d \\end{pmatrix} (rows already joined by ';') -> ("matrix", rows)."""
+    for kind in ("pmatrix", "bmatrix"):
+        begin, end = "\\begin{" + kind + "}", "\\end{" + kind + "}"
+        if s.startswith(begin) and s.endswith(end):
+            rows = s[len(begin) : len(s) - len(end)].split(";")
+            return ("matrix", [[parse_answer(c) for c in r.split("&")] for r in rows])
+    return None
+
+
+def parse_answer(s: str) -> tuple:
+    """The tree of a normalised answer; raises _Fail outside the grammar or its bounds."""
+    if len(s) > MAX_ANSWER_CHARS:
+        raise _Fail
+    m = _matrix(s)
+    return m if m is not None else _structure(_tokenize(s))
+
+
+def _is_constant(s: str) -> bool:
+    """True if s parses as one expression without variables ("2\\sqrt{2}", "\\frac{\\pi}{3}")."""
+    try:
+        node = _structure(_tokenize(s))
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return False
+    if node[0] == "rel" and node[2] == ["="] and node[1][0][0] == "var":  # "x = 11 cm"
+        node = node[1][1]
+    return node[0] not in ("seq", "set", "rel", "union") and not _free_vars(node)
+
+
+# ---------------------------------------------------------------- values of a tree: exact, then at seeded points
+
+
+class _Budget:
+    """Counts node visits for one answers_match call; over STEP_BUDGET the call gives up (returns False)."""
+
+    def __init__(self):
+        self.left = STEP_BUDGET
+
+    def spend(self):
+        self.left -= 1
+        if self.left < 0:
+            raise _Fail
+
+
+def _free_vars(node: tuple) -> set:
+    if node[0] == "var":
+        return {node[1]}
+    out = set()
+    for child in node[1:]:
+        for c in child if isinstance(child, list) else [child]:
+            if isinstance(c, tuple):
+                out |= _free_vars(c)
+    return out
+
+
+def _has_decimal(node: tuple) -> bool:
+    if node[0] == "num":
+        return node[2]
+    return any(_has_decimal(c) for child in node[1:] for c in (child if isinstance(child, list) else [child])
+               if isinstance(c, tuple))
+
+
+def _small(x: Fraction) -> Fraction | None:
+    return x if x.numerator.bit_length() + x.denominator.bit_length() <= MAX_BITS else None
+
+
+def _iroot(n: int, k: int) -> int | None:
+    """The integer k-th root of n >= 0 if n is a perfect k-th power, else None (Newton's method on integers)."""
+    if n < 2:
+        return n
+    x = 1 << -(-n.bit_length() // k)  # >= the root
+    while True:
+        y = ((k - 1) * x + n // x ** (k - 1)) // k
+        if y >= x:
+            break
+        x = y
+    return x if x**k == n else None
+
+
+def _exact_root(x: Fraction, k: int) -> Fraction | None:
+    if k < 1 or k > 64 or (x < 0 and k % 2 == 0):
+        return None
+    num, den = _iroot(abs(x.numerator), k), _iroot(x.denominator, k)
+    if num is None or den is None:
+        return None
+    return Fraction(num if x >= 0 else -num, den)
+
+
+def _exact(node: tuple, budget: _Budget) -> Fraction | None:
+    """The exact rational value of node, or None if it is not (visibly) rational. ZeroDivisionError if undefined."""
+    budget.spend()
+    kind = node[0]
+    if kind == "num":
+        return _small(node[1])
+    if kind in ("add", "mul"):
+        acc = Fraction(0 if kind == "add" else 1)
+        for child in node[1]:
+            v = _exact(child, budget)
+            if v is None:
+                return None
+            acc = _small(acc + v if kind == "add" else acc * v)
+            if acc is None:
+                return None
+        return acc
+    if kind in ("neg", "inv", "abs"):
+        v = _exact(node[1], budget)
+        if v is None:
+            return None
+        return -v if kind == "neg" else abs(v) if kind == "abs" else 1 / v
+    if kind == "pow":
+        base, exp = _exact(node[1], budget), _exact(node[2], budget)
+        if base is None or exp is None or exp.denominator > 64:
+            return None
+        if exp.denominator > 1:
+            base = _exact_root(base, exp.denominator)
+            if base is None:
+                return None
+        n = abs(exp.numerator)
+        if (base.numerator.bit_length() + base.denominator.bit_length()) * n > MAX_BITS:
+            return None
+        return base**n if exp >= 0 else 1 / base**n
+    if kind == "sqrt":
+        x = _exact(node[1], budget)
+        k = Fraction(2) if node[2] is None else _exact(node[2], budget)
+        if x is None or k is None or k.denominator != 1:
+            return None
+        return _exact_root(x, k.numerator)
+    if kind == "fact":
+        x = _exact(node[1], budget)
+        if x is None or x.denominator != 1 or not 0 <= x <= 100:
+            return None
+        return _small(Fraction(math.factorial(int(x))))
+    return None  # const, var, inf, fn, log: not rational (or not provably so)
+
+
+_CONSTS = {"pi": complex(math.pi), "e": complex(math.e), "i": 1j}
+
+
+def _var_value(name: str, k: int) -> float:
+    """The seeded value of variable `name` at point k, in [0.5, 2.5): the same name gets the same value on both
+    sides of a comparison (crc32 of the name, not Python's salted hash, so it is the same in every process)."""
+    return 0.5 + 2.0 * zlib.crc32(f"{name}/{k}".encode()) / 2**32
+
+
+def _numeric(node: tuple, k: int, budget: _Budget) -> complex:
+    """Complex value of node at seeded point k; raises ZeroDivisionError / OverflowError / ValueError if undefined."""
+    budget.spend()
+    kind = node[0]
+    if kind == "num":
+        return complex(float(node[1]))
+    if kind == "const":
+        return _CONSTS[node[1]]
+    if kind == "var":
+        return complex(_var_value(node[1], k))
+    if kind == "add":
+        return _finite(sum(_numeric(c, k, budget) for c in node[1]))
+    if kind == "mul":
+        acc = complex(1)
+        for c in node[1]:
+            acc = _finite(acc * _numeric(c, k, budget))
+        return acc
+    if kind == "neg":
+        return 0j - _numeric(node[1], k, budget)  # not -z: that makes the imaginary part -0.0, and sqrt(-4) -2i
+    if kind == "inv":
+        return 1 / _numeric(node[1], k, budget)
+    if kind == "abs":
+        return complex(abs(_numeric(node[1], k, budget)))
+    if kind == "pow":
+        base, exp = _numeric(node[1], k, budget), _numeric(node[2], k, budget)
+        if abs(exp) > 10_000:
+            raise OverflowError
+        return _finite(base**exp)
+    if kind == "sqrt":
+        x = _numeric(node[1], k, budget)
+        if node[2] is None:
+            return cmath.sqrt(x)
+        n = _numeric(node[2], k, budget)
+        if x.imag == 0 and x.real < 0 and n.imag == 0 and n.real % 2 == 1:  # real odd root of a negative
+            return complex(-((-x.real) ** (1 / n.real)))
+        return _finite(x ** (1 / n))
+    if kind == "fn":
+        return _finite(_FUNCS[node[1]](_numeric(node[2], k, budget)))
+    if kind == "log":
+        x = cmath.log(_numeric(node[1], k, budget))
+        return x if node[2] is None else x / cmath.log(_numeric(node[2], k, budget))
+    if kind == "fact":
+        x = _numeric(node[1], k, budget)
+        if x.imag != 0 or not 0 <= x.real <= 170:
+            raise ValueError
+        return complex(math.gamma(x.real + 1))
+    raise ValueError  # inf and structures have no numeric value
+
+
+def _finite(z: complex) -> complex:
+    if not (math.isfinite(z.real) and math.isfinite(z.imag)) or abs(z) > 1e200:
+        raise OverflowError
+    return z
+
+
+def _inf_sign(node: tuple) -> int:
+    """+1 for \\infty, -1 for -\\infty, 0 for anything else."""
+    if node == ("inf",):
+        return 1
+    if node[0] == "neg" and node[1] == ("inf",):
+        return -1
+    return 0
+
+
+def _fingerprint(node: tuple, budget: _Budget) -> tuple:
+    """What two expressions are compared by: (inf sign, exact value or None, has a decimal, values at the points)."""
+    try:
+        exact = _exact(node, budget)
+    except (ZeroDivisionError, OverflowError, ValueError):
+        return (0, None, False, (None,) * NUM_POINTS)  # undefined (1/0): equal to nothing
+    values = []
+    for k in range(NUM_POINTS):
+        try:
+            values.append(_numeric(node, k, budget))
+        except (ZeroDivisionError, OverflowError, ValueError):
+            values.append(None)
+    return (_inf_sign(node), exact, _has_decimal(node), tuple(values))
+
+
+def _close(a, b, rtol: float) -> bool:
+    return abs(a - b) <= rtol * max(1.0, abs(a), abs(b))
+
+
+def _fingerprints_equal(fa: tuple, fb: tuple, tolerance: float) -> bool:
+    if fa[0] or fb[0]:
+        return fa[0] == fb[0]
+    xa, xb = fa[1], fb[1]
+    if xa is not None and xb is not None:  # two rationals: exactly, or within the user's tolerance
+        return xa == xb if tolerance <= 0 else _close(xa, xb, tolerance)
+    # A decimal is an approximation: 1.4142135623 is not \sqrt{2} unless --reward_tolerance says so.
+    if tolerance <= 0 and ((xa is not None and fa[2]) or (xb is not None and fb[2])):
+        return False
+    rtol = max(NUM_RTOL, tolerance)
+    valid = 0
+    for va, vb in zip(fa[3], fb[3]):
+        if va is None or vb is None:
+            continue
+        if not _close(va, vb, rtol):
+            return False
+        valid += 1
+    return valid >= 3  # at least 3 of the NUM_POINTS points defined on both sides
+
+
+def _rel_to_interval(node: tuple) -> tuple | None:
+    """x < 5 -> (-\\infty, 5); 1 <= x < 2 -> [1, 2); 5 >= x -> (-\\infty, 5]. None if not of that form."""
+    exprs, ops = node[1], node[2]
+    if all(o in (">", ">=") for o in ops):
+        exprs, ops = exprs[::-1], [_FLIP[o] for o in ops[::-1]]
+    if not all(o in ("<", "<=") for o in ops) or len(ops) > 2:
+        return None
+    is_var = [e[0] == "var" for e in exprs]
+    if len(ops) == 2 and is_var == [False, True, False]:
+        lo, hi = exprs[0], exprs[2]
+    elif len(ops) == 1 and is_var == [True, False]:
+        lo, hi = ("neg", ("inf",)), exprs[1]
+        ops = ["<"] + ops
+    elif len(ops) == 1 and is_var == [False, True]:
+        lo, hi = exprs[0], ("inf",)
+        ops = ops + ["<"]
+    else:
+        return None
+    return ("seq", "(" if ops[0] == "<" else "[", ")" if ops[1] == "<" else "]", [lo, hi])
+
+
+def _ascending(ends: list, budget: _Budget) -> bool:
+    """False if both ends of an interval are real numbers and lo >= hi: 15 < x < -29 is no interval, so it must
+    not match the pair (15, -29)."""
+    values = []
+    for end in ends:
+        if end[0] == "inf" or (end[0] == "neg" and end[1] == ("inf",)):
+            return True
+        v = _fingerprint(end, budget)[3][0]
+        if v is None or v.imag != 0:
+            return True
+        values.append(v.real)
+    return values[0] < values[1]
+
+
+_STRUCTURES = ("seq", "set", "rel", "union", "matrix")
+
+
+def _trees_equal(a: tuple, b: tuple, tolerance: float, budget: _Budget, cache: dict) -> bool:
+    ka, kb = a[0], b[0]
+    if ka not in _STRUCTURES and kb not in _STRUCTURES:
+        fps = []
+        for node in (a, b):
+            if id(node) not in cache:
+                cache[id(node)] = (node, _fingerprint(node, budget))  # node kept alive so its id stays unique
+            fps.append(cache[id(node)][1])
+        return _fingerprints_equal(fps[0], fps[1], tolerance)
+    same = lambda x, y: _trees_equal(x, y, tolerance, budget, cache)
+    if ka == "rel" and kb == "rel":
+        return _rels_equal(a, b, same)
+    for x, y in ((a, b), (b, a)):
+        if x[0] == "rel" and y[0] not in ("rel", "set"):
+            if x[2] == ["="] and y[0] not in _STRUCTURES:  # "k = 1" against 1, "2x + 3 = y" against 2x + 3
+                lhs, rhs = x[1]
+                if lhs[0] == "var" or rhs[0] == "var":
+                    return same(rhs if lhs[0] == "var" else lhs, y)
+            interval = _rel_to_interval(x) if y[0] in ("seq", "union") else None
+            return interval is not None and _ascending(interval[3], budget) and same(interval, y)
+    if ka != kb:
+        return False
+    if ka == "seq":
+        return a[1:3] == b[1:3] and len(a[3]) == len(b[3]) and all(map(same, a[3], b[3]))
+    if ka == "matrix":
+        return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
+            same(x, y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    # set and union: order-free, each item of one matched to its own item of the other
+    items_a, items_b = a[-1], list(b[-1])
+    if len(items_a) != len(items_b) or len(items_a) > MAX_ITEMS:
+        return False
+    for x in items_a:
+        hit = next((j for j, y in enumerate(items_b) if same(x, y)), None)
+        if hit is None:
+            return False
+        items_b.pop(hit)
+    return True
+
+
+def _rels_equal(a: tuple, b: tuple, same) -> bool:
+    """Relations compare side by side after writing > and >= as < and <= (5 \\geq x is x \\leq 5)."""
+    def canonical(node):
+        exprs, ops = node[1], node[2]
+        if ops and all(o in (">", ">=") for o in ops):
+            return exprs[::-1], [_FLIP[o] for o in ops[::-1]]
+        return exprs, ops
+    (ea, oa), (eb, ob) = canonical(a), canonical(b)
+    if oa != ob:
+        return False
+    if all(map(same, ea, eb)):
+        return True
+    symmetric = all(o in ("=", "!=") for o in oa)  # a = b is b = a
+    return symmetric and len(ea) == 2 and same(ea[0], eb[1]) and same(ea[1], eb[0])
+
+
+# ---------------------------------------------------------------- public checks
+
+
+def _drop_assignment(s: str, other: str) -> str:
+    """"x=5" -> "5" when the other answer has no "=" (MATH's convention: a single-letter assignment is its value;
+    "x=5" against "y=5" stays a relation, compared side by side)."""
+    if len(s) > 2 and s[1] == "=" and s[0].isalpha() and s.count("=") == 1 and "=" not in other:
+        return s[2:]
+    return s
+
+
+def answers_match(pred: str, gold: str, tolerance: float = 0.0) -> bool:
+    """True if `pred` and `gold` are the same answer: equal normalised strings, or equal values of their trees
+    (see the module docstring). `tolerance` > 0 lets a decimal match an exact value within that relative error."""
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    a, b = normalize(pred), normalize(gold)
+    if not a or not b:
+        return False
+    a, b = _drop_assignment(a, b), _drop_assignment(b, a)
+    if _atom_equal(a, b):
+        return True
+    sa, sb = _as_sequence(a), _as_sequence(b)
+    if sa and sb and sa[0] == sb[0] and sa[2] == sb[2] and len(sa[1]) == len(sb[1]):
+        if all(_atom_equal(x, y) for x, y in zip(sa[1], sb[1])):
+            return True
+    try:
+        ta, tb = parse_answer(a), parse_answer(b)
+        return _trees_equal(ta, tb, tolerance, _Budget(), {})
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return False  # outside the grammar or over a bound: only the string comparison above counts
+
+
+def canonical_answer(answer: str) -> str | None:
+    """Canonical form of an answer for majority voting (equal answers give equal strings); None if it is empty
+    or too long to check.
+
+    Numbers become reduced fractions/integers ("0.50" -> "1/2"), sequences are canonicalised element-wise, so the
+    result is itself a valid answer for answers_match.
+    """
+    s = normalize(answer)
+    if s and len(s) > 2 and s[1] == "=" and s[0].isalpha() and s.count("=") == 1:
+        s = s[2:]  # "x=5" votes with "5" (a single-letter assignment: MATH's convention)
+    if not s:
+        return None
+    if to_number(s) is not None:
+        return _canonical_atom(s)
+    seq = _as_sequence(s)
+    if seq is None:
+        return s
+    open_, items, close = seq
+    return open_ + ",".join(_canonical_atom(x) for x in items) + close

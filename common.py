@@ -238,6 +238,14 @@ def parse_config(cls, argv: list[str] | None = None):
     return cls(**vars(parser.parse_args(argv)))
 
 
+def start_stage(cls, argv: list[str] | None = None):
+    """A stage script's opening: its flags (parse_config) and its process (init_dist) -> (cfg, Dist)."""
+    cfg = parse_config(cls, argv)
+    d = init_dist(cfg.dist_timeout)
+    torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
+    return cfg, d
+
+
 def save_json(path, obj):
     """Write JSON atomically (tmp file + rename)."""
     path = Path(path)
@@ -268,6 +276,21 @@ def make_generator(seed: int, *ints: int, device="cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(derive_seed(seed, *ints))
     return g
+
+
+def permutation_stream(n: int, seed: int):
+    """i -> the i-th item of a stream of seeded permutations of range(n), a new one each epoch (epoch e's from
+    seed + e): the data order of every step, whatever the world size."""
+    cache = {}
+
+    def at(i: int) -> int:
+        epoch = i // n
+        if epoch not in cache:
+            g = torch.Generator().manual_seed(seed + epoch)
+            cache[epoch] = torch.randperm(n, generator=g).tolist()
+        return cache[epoch][i % n]
+
+    return at
 
 
 def check_flags(cfg, at_least_1=(), at_least_0=(), positive=()):
@@ -486,11 +509,47 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_named({"flag": float(flag)}, {"flag": "max"})["flag"])
 
 
+def training_seconds(state: dict) -> float:
+    """A resumed run's training clock (evals excluded; what --max_minutes counts). Checkpoints written before the
+    rename hold it as "t_train", the name of a metric: one step's update seconds."""
+    return state.get("train_s", state.get("t_train", 0.0))
+
+
+def resumed_clocks(state: dict) -> tuple[float, float]:
+    """The clocks, continued on resume: -> (training seconds so far, the perf_counter() the run's wall time counts
+    from). "elapsed_s": sft's wall time in checkpoints written before the rename."""
+    train_s = training_seconds(state)
+    wall_s = state.get("wall_s", state.get("elapsed_s", train_s))
+    return train_s, time.perf_counter() - wall_s
+
+
+def set_lr(opt, step: int, cfg) -> float:
+    """Set step `step`'s learning rate (lr_at over --lr, --warmup, --steps, --min_lr_ratio) on every param group."""
+    lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def checkpoint_due(cfg, step: int, saved_at: float) -> bool:
+    """Whether --save_every or --save_minutes (since `saved_at`, a perf_counter()) asks for a checkpoint at `step`.
+    A collective: every rank calls it at every step."""
+    late = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
+    return bool(late or (cfg.save_every and step % cfg.save_every == 0))
+
+
+def open_metrics_log(cfg, d: Dist, state: dict) -> "JsonlLogger":
+    """OUT/metrics.jsonl (+ --wandb, --tensorboard's OUT/tb), continuing after the resumed step."""
+    tb_dir = os.path.join(cfg.out_dir, "tb") if cfg.tensorboard else None
+    return JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main, wandb_project=cfg.wandb,
+                       tensorboard_dir=tb_dir, config=dataclasses.asdict(cfg), start_step=state["step"])
+
+
 def stays_stopped(state: dict, max_minutes: float) -> bool:
     """Whether a resumed run that had stopped early stays stopped: one that met its criterion (--stop_pass1) does;
     one that ran out of --max_minutes goes on when given more time (a larger --max_minutes, or 0 = no limit)."""
     reason = state.get("stopped")
-    train_s = state.get("train_s", state.get("t_train", 0.0))  # "t_train": checkpoints written before the rename
+    train_s = training_seconds(state)
     if reason == "time" and (max_minutes <= 0 or train_s < max_minutes * 60):
         return False
     if reason:

@@ -317,6 +317,12 @@ def load_task(task: str, split: str, *, path: str | None = None, seed: int = 0, 
     return select([convert(r, n, source) for n, r in raw], split, source)
 
 
+def load_splits(cfg, *splits: str) -> list[list[dict]]:
+    """Each split's rows of a stage's task: its --task, --data_path, --data_seed and --task_knobs."""
+    knobs = parse_knobs(cfg.task_knobs)
+    return [load_task(cfg.task, s, path=cfg.data_path, seed=cfg.data_seed, **knobs) for s in splits]
+
+
 # ---------------------------------------------------------------- prompts and targets
 
 

@@ -29,7 +29,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as tdist
 
 import rewards
@@ -46,15 +45,14 @@ from common import (
     cleanup_dist,
     flag,
     free_main_objects,
-    init_dist,
     is_dist,
     make_generator,
-    parse_config,
     print0,
     save_json,
+    start_stage,
     user_input,
 )
-from data import encode_prompt, format_prompt, load_task, parse_knobs
+from data import encode_prompt, format_prompt, load_splits
 from hf import load_model, load_tokenizer, stop_and_pad_ids
 from lora import load_adapter, merge_lora
 from memory import EVAL_BATCH  # problems per sampler call: --batch_size's default, and sft/grpo in-loop evals
@@ -211,14 +209,9 @@ def _adapter_base(adapter: Path) -> str:
     return base
 
 
-def main(argv=None):
-    cfg = parse_config(EvalConfig, argv)
-    rewards.check_tolerance(cfg.reward_tolerance)
-    d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)  # as sft.py and grpo.py: the same numbers
-    check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
-                at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
-    check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
+def load_for_eval(cfg: EvalConfig, d):
+    """--model: an HF model dir, a run dir (its latest checkpoint) or a LoRA adapter on its base (merged unless
+    --lora_merge false). -> (the resolved path, model, tokenizer)."""
     with user_input("--model"):  # a run dir whose `latest` is broken, an adapter without its base
         path = resolve_model_dir(cfg.model)
         adapter = (path / "adapter_config.json").is_file()  # a LoRA adapter: a LoRA run's checkpoint or OUT/adapter
@@ -234,8 +227,30 @@ def main(argv=None):
             load_adapter(model, path)
             if cfg.lora_merge:
                 merge_lora(model)
+    return path, model, tok
+
+
+def print_table(results: dict):
+    """A short table: one row per mode (greedy, sampled), one column per metric."""
+    keys = ["n_problems", "samples", "temperature"] + sorted({k for s in results.values() for k in s if "@" in k},
+                                                            key=lambda k: (k[0] != "p", int(k.split("@")[1])))
+    keys += ["format", "len_mean", "truncated", "time_s"]
+    print0(f"{'mode':8s}" + "".join(f"{k:>12s}" for k in keys))
+    for name, s in results.items():
+        cells = [f"{'-':>12s}" if k not in s else f"{s[k]:12d}" if isinstance(s[k], int) else f"{s[k]:12.3f}"
+                 for k in keys]
+        print0(f"{name:8s}" + "".join(cells))
+
+
+def main(argv=None):
+    cfg, d = start_stage(EvalConfig, argv)
+    rewards.check_tolerance(cfg.reward_tolerance)
+    check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
+                at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
+    check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
+    path, model, tok = load_for_eval(cfg, d)
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
-        rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
+        (rows,) = load_splits(cfg, cfg.split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
         format_prompt(rows[0]["question"], cfg.template, tok)
     if d.is_main:
@@ -260,15 +275,7 @@ def main(argv=None):
     log.close()
     if d.is_main:
         save_json(os.path.join(cfg.out_dir, "summary.json"), {"config": asdict(cfg), "model": str(path), **results})
-    # a short table: one row per mode
-    keys = ["n_problems", "samples", "temperature"] + sorted({k for s in results.values() for k in s if "@" in k},
-                                                            key=lambda k: (k[0] != "p", int(k.split("@")[1])))
-    keys += ["format", "len_mean", "truncated", "time_s"]
-    print0(f"{'mode':8s}" + "".join(f"{k:>12s}" for k in keys))
-    for name, s in results.items():
-        cells = [f"{'-':>12s}" if k not in s else f"{s[k]:12d}" if isinstance(s[k], int) else f"{s[k]:12.3f}"
-                 for k in keys]
-        print0(f"{name:8s}" + "".join(cells))
+    print_table(results)
     print0(f"wrote {cfg.out_dir}/summary.json and completions.jsonl")
     cleanup_dist()
 

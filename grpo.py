@@ -54,24 +54,27 @@ from common import (
     autocast,
     check_flags,
     check_precision,
+    checkpoint_due,
     cleanup_dist,
     clip_grad_norm,
     cxx_compiler,
     flag,
     free_main_objects,
     grad_sync,
-    init_dist,
-    lr_at,
     make_generator,
-    parse_config,
+    open_metrics_log,
     peak_mem_mb,
+    permutation_stream,
     print0,
+    resumed_clocks,
     seed_all,
+    set_lr,
+    start_stage,
     stays_stopped,
     user_input,
     wrap_model,
 )
-from data import encode_prompt, format_prompt, load_task, parse_knobs
+from data import encode_prompt, format_prompt, load_splits
 from eval import evaluate
 from hf import load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
@@ -330,15 +333,15 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
     )  # fmt: skip
 
 
-def score(tok, roll: Rollout, prefixes: list[str], answers: list[str], cfg: GRPOConfig, weights):
+def score(tok, roll: Rollout, response_starts: list[str], answers: list[str], cfg: GRPOConfig, weights):
     """Decode and score every completion on the host: the scored response is what the prompt opened
-    ("<think>") + the decoded completion. prefixes/answers: one per prompt. Returns the rewards r
+    ("<think>") + the decoded completion. response_starts/answers: one per prompt. Returns the rewards r
     (P, G) fp32, moved to the rollout's device once, each completion's reward dict and its text."""
     G, lengths = cfg.group_size, roll.lengths.tolist()
     rows = [t[:n] for t, n in zip(roll.tokens.tolist(), lengths)]  # one device -> host copy
     texts = tok.batch_decode(rows, skip_special_tokens=True)
     scores = [
-        rewards.reward(prefixes[i // G] + t, answers[i // G], weights, num_tokens=lengths[i],
+        rewards.reward(response_starts[i // G] + t, answers[i // G], weights, num_tokens=lengths[i],
                        max_tokens=cfg.max_new_tokens, tolerance=cfg.reward_tolerance)
         for i, t in enumerate(texts)
     ]  # fmt: skip
@@ -371,44 +374,24 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     every rank runs the same number of micro-batches (collectives must match), a rank without rows
     one zero-weight row. Returns UPDATE_STATS's sums and the last pass's grad_norm."""
     model.train()
-    device = lmask.device
-    useful = (w.sum(1) > 0) & (adv[:, 0] != 0)  # (N,)
-    if w_kl is not None:
-        useful |= w_kl.sum(1) > 0
-    rows = useful.nonzero()[:, 0].tolist()
-    # length-grouped micro-batches within --train_micro_batch rows / --micro_batch_tokens, as many
-    # on every rank
-    row_lens = [seq_len[i] for i in rows]
-    groups = micro_batches(row_lens, cfg.train_micro_batch, cfg.micro_batch_tokens) or [[]]
-    micro = [[rows[j] for j in g] for g in groups]
-    n_micro = len(micro)
+    micro = useful_micro_batches(seq_len, adv, w, w_kl, cfg)
     # each micro-batch's row indices on the device, and its columns cut to its longest row
     # (short rows cost less)
-    ix = [torch.tensor(idx or [0], device=device) for idx in micro]
+    ix = [torch.tensor(idx or [0], device=lmask.device) for idx in micro]
     sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack, cfg.share_prompt) for idx in micro]
-    old, ref_logp = [None] * n_micro, [None] * n_micro
-    # old log-probs before the first update; reference log-probs for KL
-    if cfg.mu > 1 or ref is not None:
-        with torch.no_grad():
-            for k in range(n_micro):
-                if cfg.mu > 1:
-                    old[k] = completion_logprobs(model, sliced[k], cfg.temperature, cfg.dtype)[0]
-                # with LoRA, ref is the policy itself and the base is it without adapters
-                if ref is not None:
-                    with adapters_off(ref):
-                        ref_logp[k] = completion_logprobs(ref, sliced[k], cfg.temperature, cfg.dtype)[0]
+    old, ref_logp = frozen_logprobs(model, ref, sliced, cfg)
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for pass_i in range(cfg.mu):
         for k, idx in enumerate(micro):
-            with grad_sync(model, k == n_micro - 1):
+            with grad_sync(model, k == len(micro) - 1):
                 logp, ent = completion_logprobs(model, sliced[k], cfg.temperature, cfg.dtype)
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
                 tis = None
                 if cfg.tis_cap:
                     tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap)
-                l, st = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss,
-                                    cfg.epsilon, cfg.epsilon_high, tis)
+                l, clip = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss,
+                                      cfg.epsilon, cfg.epsilon_high, tis)
                 # the padding micro-batch of a rank without rows adds nothing
                 live = 1.0 if idx else 0.0
                 loss = (l * w[ix[k]]).sum() * live
@@ -416,16 +399,10 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                 if kl is not None:
                     loss = loss + cfg.beta * (kl * w_kl[ix[k]]).sum() * live
                 loss.backward()
-            # diagnostics: the first pass's, and the clip fractions of every pass (the ratio
-            # moves after the first)
             if idx:
-                first_pass = float(pass_i == 0)
+                kl_w = w_kl[ix[k]] if kl is not None else None
                 gap = (logp.detach() - sampler_logp[ix[k]]).abs()
-                m_kl = (w_kl[ix[k]] > 0).float() if kl is not None else torch.zeros_like(m)
-                kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
-                sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
-                clips = [(st[key] * m).sum() / cfg.mu for key in ("clip_low", "clip_high")]
-                stats.append(torch.stack([x * first_pass for x in sums] + clips))
+                stats.append(micro_stats(m, ent, gap, clip, kl, kl_w, pass_i == 0, cfg.mu))
         grad_norm = clip_grad_norm(model, cfg.grad_clip)
         # NaN/inf: stop before the update, nothing of this step saved
         check_finite(step, grad_norm, cfg.out_dir)
@@ -437,6 +414,47 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
         for name, v in zip(UPDATE_STATS, row):
             out[name] += v
     return {**out, "grad_norm": grad_norm.item()}
+
+
+def useful_micro_batches(seq_len: list[int], adv, w, w_kl, cfg: GRPOConfig) -> list[list[int]]:
+    """The rows that add a gradient (a KL weight, or a policy weight and a nonzero advantage) in
+    length-grouped micro-batches within --train_micro_batch rows / --micro_batch_tokens: row indices,
+    as many micro-batches on every rank (at least one, maybe empty)."""
+    useful = (w.sum(1) > 0) & (adv[:, 0] != 0)  # (N,)
+    if w_kl is not None:
+        useful |= w_kl.sum(1) > 0
+    rows = useful.nonzero()[:, 0].tolist()
+    row_lens = [seq_len[i] for i in rows]
+    groups = micro_batches(row_lens, cfg.train_micro_batch, cfg.micro_batch_tokens) or [[]]
+    return [[rows[j] for j in g] for g in groups]
+
+
+def frozen_logprobs(model, ref, sliced: list[dict], cfg: GRPOConfig):
+    """Per micro-batch, before the first update: the old log-probs (only with --mu > 1; else None, the
+    ratio is 1) and the reference's for the KL (only with a ref; else None)."""
+    old, ref_logp = [None] * len(sliced), [None] * len(sliced)
+    if cfg.mu > 1 or ref is not None:
+        with torch.no_grad():
+            for k, mb in enumerate(sliced):
+                if cfg.mu > 1:
+                    old[k] = completion_logprobs(model, mb, cfg.temperature, cfg.dtype)[0]
+                # with LoRA, ref is the policy itself and the base is it without adapters
+                if ref is not None:
+                    with adapters_off(ref):
+                        ref_logp[k] = completion_logprobs(ref, mb, cfg.temperature, cfg.dtype)[0]
+    return old, ref_logp
+
+
+def micro_stats(m, ent, gap, clip: dict, kl, w_kl, first_pass: bool, mu: int) -> torch.Tensor:
+    """One micro-batch's UPDATE_STATS sums (a device tensor): the first pass's token counts, entropy,
+    |trainer - sampler| gap and KL (0 on later passes: the ratio moves after the first), and every
+    pass's clip fractions / mu. m: (n, Tc) counted tokens; kl / w_kl: None without a reference."""
+    first = float(first_pass)
+    m_kl = (w_kl > 0).float() if kl is not None else torch.zeros_like(m)
+    kl_sum = (kl.detach() * m_kl).sum() if kl is not None else m.new_zeros(())
+    sums = [m.sum(), (ent * m).sum(), (gap * m).sum(), m_kl.sum(), kl_sum]
+    clips = [(clip[key] * m).sum() / mu for key in ("clip_low", "clip_high")]
+    return torch.stack([x * first for x in sums] + clips)
 
 
 def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stats: dict, times: dict, lr: float,
@@ -483,13 +501,11 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
 
 
 # -----------------------------------------------------------------------------
+# Setup, in the order main runs it: the flags, the prompts, the models
 
 
-def main(argv=None):
-    cfg = parse_config(GRPOConfig, argv)
-    d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
-    seed_all(cfg.seed, d.rank)
+def check_config(cfg: GRPOConfig, d) -> dict | None:
+    """Refuse bad flags before anything is read. -> the parsed --reward_weights (None: the defaults)."""
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
     check_flags(cfg,
                 at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu",
@@ -517,40 +533,44 @@ def main(argv=None):
     if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
         with user_input("--lora_*"):
             check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
+    return weights
 
-    # --- tokenizer, model config, data: no weights are read before the memory estimate ------------
-    with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
-        model_cfg = load_config(cfg.init, cfg.size_limits)
-        tok = load_tokenizer(cfg.init)
-        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
-    max_pos = model_cfg.max_position_embeddings
+
+@dataclass
+class Prompts:
+    """The task's training problems and their prompts, formatted and tokenized once (index = problem),
+    and the held-out problems of the in-loop eval."""
+    rows: list[dict]  # {"question", "answer", ...}
+    text: list[str]  # the formatted prompt
+    response_start: list[str]  # what the prompt opens the response with (e.g. "<think>"), scored with it
+    ids: list[list[int]]  # the prompt's tokens
+    eval_rows: list[dict]
+    longest: int  # tokens in the longest prompt the sampler will see (training or eval)
+
+
+def load_prompts(cfg: GRPOConfig, tok, max_pos: int) -> Prompts:
+    """The --split and --eval_split problems in --template, checked to fit the model's positions."""
     # a missing file, a malformed row (named by file and line), a bad split or knob
     with user_input("data"):
-        task_args = dict(path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
-        rows = load_task(cfg.task, cfg.split, **task_args)
-        eval_rows = load_task(cfg.task, cfg.eval_split, **task_args)
+        rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        prompt_text, prefix = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
-    prompt_ids = [encode_prompt(tok, t, cfg.template) for t in prompt_text]  # tokenized once
-    if max(len(p) for p in prompt_ids) + cfg.max_new_tokens > max_pos:
+        text, response_start = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
+    ids = [encode_prompt(tok, t, cfg.template) for t in text]
+    if max(len(p) for p in ids) + cfg.max_new_tokens > max_pos:
         raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds "
                          f"the model's max_position_embeddings={max_pos}: lower --max_new_tokens")
-    order = _permutation_stream(len(rows), cfg.seed)  # global prompt order: epoch after epoch, seeded
-    # the memory this run needs, for the longest prompt the sampler will see (training or eval)
     evals = []
     if cfg.eval_every:
         evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
-    longest = max(map(len, prompt_ids + eval_ids))
-    shapes = memory_shapes(cfg, "grpo", W, longest, d.device.type)
-    print0(format_memory(memory_estimate(model_cfg, **shapes)))
-    if cfg.dry_run:
-        return cleanup_dist()
-    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
-    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
+    longest = max(map(len, ids + eval_ids))
+    return Prompts(rows, text, response_start, ids, eval_rows, longest)
 
-    # --- model, reference -------------------------------------------------------------------------
+
+def build_models(cfg: GRPOConfig, d):
+    """-> the policy (wrapped for DDP / FSDP2), the frozen KL reference (None with beta = 0; with LoRA
+    the policy itself, its adapters switched off) and AdamW over the trained parameters."""
+    weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
     # no weights, a truncated safetensors file, weights that do not fit config.json
     with user_input("--init"):
         base_dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else weights_dtype
@@ -574,83 +594,102 @@ def main(argv=None):
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
     opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, cfg.beta2),
                             weight_decay=cfg.weight_decay)
+    return model, ref, opt
 
-    # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
-    tb_dir = os.path.join(cfg.out_dir, "tb") if cfg.tensorboard else None
-    log = JsonlLogger(os.path.join(cfg.out_dir, "metrics.jsonl"), d.is_main, wandb_project=cfg.wandb,
-                      tensorboard_dir=tb_dir, config=asdict(cfg), start_step=state["step"])
+
+# -----------------------------------------------------------------------------
+# The step's glue: which prompts, which tokens count, what is logged
+
+
+def step_prompts(step: int, order, cfg: GRPOConfig, d) -> tuple[int, list[int]]:
+    """This rank's prompts at `step`: a contiguous slice of the step's global prompts. -> (the global
+    number of the first, their problem indices)."""
+    per_rank = cfg.prompts_per_step // d.world_size
+    first = (step - 1) * cfg.prompts_per_step + d.rank * per_rank
+    return first, [order(i) for i in range(first, first + per_rank)]
+
+
+def advantages(r, roll: Rollout, cfg: GRPOConfig, world_size: int):
+    """Group advantages adv (N, 1) and which tokens count: the policy term counts the kept completions
+    (lmask (N, Tc)), the KL term, when beta > 0, every completion. Their per-token loss weights w, w_kl
+    (None with beta = 0) use global counts as denominators. -> adv, lmask, w, w_kl, zero_std (P,)."""
+    adv = group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
+    lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std,
+                                      cfg.mask_truncated)
+    kl_mask = roll.mask.float()
+    counts = torch.stack([keep.sum().float(), lmask.sum(), kl_mask.sum()]).tolist()
+    c = all_reduce_named(dict(zip(("n_seqs", "n_tokens", "n_kl"), counts)))
+    n_rows = cfg.prompts_per_step * cfg.group_size  # every completion of the step's batch, filtered or not
+    max_len = cfg.max_new_tokens
+    # DDP / FSDP average gradients over ranks: x W makes it the global sum
+    w = token_weights(lmask, cfg.loss, c["n_seqs"], c["n_tokens"], n_rows, max_len) * world_size
+    w_kl = None
+    if cfg.beta > 0:
+        w_kl = token_weights(kl_mask, cfg.loss, n_rows, c["n_kl"], n_rows, max_len) * world_size
+    return adv, lmask, w, w_kl, zero_std
+
+
+def training_rows(prompts: list[list[int]], roll: Rollout, group_size: int, pad_id: int):
+    """training_batch's [prompt + completion] rows (row = prompt * G + sample) and each row's real
+    length (host ints)."""
+    row_prompts = [p for p in prompts for _ in range(group_size)]
+    lengths = roll.lengths.tolist()
+    batch = training_batch(row_prompts, roll.tokens, lengths, pad_id)
+    seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
+    return batch, seq_len
+
+
+def write_samples(samples_log, step: int, prompts: list[str], texts: list[str], scores: list[dict],
+                  cfg: GRPOConfig):
+    """The step's first --log_samples completions with their prompt and reward components."""
+    for i in range(min(cfg.log_samples, len(texts))):
+        prompt = prompts[i // cfg.group_size]
+        samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
+
+
+# -----------------------------------------------------------------------------
+# The loop: one GRPO step after another, each logged, evaluated and checkpointed on schedule
+
+
+def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict):
+    """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
+    eos_ids, pad_id = stop_ids
+    log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
-    print0(f"GRPO: {len(rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), "
+    P, G, W = cfg.prompts_per_step, cfg.group_size, d.world_size
+    print0(f"GRPO: {len(task.rows)} train prompts, {P} prompts x G={G} per step over {W} rank(s), "
            f"loss={cfg.loss}")
-
-    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes) and
-    # wall time since start. Checkpoints written before the rename hold only the first, as t_train
-    train_s = state.get("train_s", state.get("t_train", 0.0))
-    t_start = time.perf_counter() - state.get("wall_s", train_s)
+    order = permutation_stream(len(task.rows), cfg.seed * 1_000_003)  # global prompt order, epoch after epoch
+    train_s, t_start = resumed_clocks(state)
     saved_at = time.perf_counter()  # when the newest checkpoint was written (--save_minutes)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
     bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main,
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
-        lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
-
-        # 1. this rank's prompts: a contiguous slice of the step's global prompts, from `first` on
-        first = (step - 1) * P + d.rank * (P // W)
-        mine = [order(i) for i in range(first, first + P // W)]
-
-        # 2. rollout: G completions per prompt (each prompt prefilled once)
-        my_prompts = [prompt_ids[i] for i in mine]
-        roll = rollout(model, my_prompts, first, step, cfg, eos_ids, pad_id, d.device)
+        lr = set_lr(opt, step, cfg)
+        first, mine = step_prompts(step, order, cfg, d)
+        prompts = [task.ids[i] for i in mine]
+        roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
         t1 = time.perf_counter()
-
-        # 3. score on the host; the rewards r (P_rank, G) come back to the device
-        prefixes = [prefix[i] for i in mine]
-        answers = [rows[i]["answer"] for i in mine]
-        r, scores, texts = score(tok, roll, prefixes, answers, cfg, weights)
-
-        # 4. group advantages and which tokens count; the loss denominators are global counts. The
-        # policy term counts the kept completions (lmask); the KL term, when beta > 0, every
-        # completion (kl_mask)
-        adv = group_advantages(r, cfg.scale_rewards).view(-1, 1)  # (N, 1)
-        lmask, keep, zero_std = loss_mask(r, roll.mask, roll.truncated, cfg.filter_zero_std,
-                                          cfg.mask_truncated)
-        kl_mask = roll.mask.float()
-        counts = torch.stack([keep.sum().float(), lmask.sum(), kl_mask.sum()]).tolist()
-        c = all_reduce_named(dict(zip(("n_seqs", "n_tokens", "n_kl"), counts)))
-        n_rows = P * G  # every completion of the step's batch, filtered or not
-        max_len = cfg.max_new_tokens
-        # DDP / FSDP average gradients over ranks: x W makes it the global sum
-        w = token_weights(lmask, cfg.loss, c["n_seqs"], c["n_tokens"], n_rows, max_len) * W
-        w_kl = None
-        if cfg.beta > 0:
-            w_kl = token_weights(kl_mask, cfg.loss, n_rows, c["n_kl"], n_rows, max_len) * W
+        starts, answers = [task.response_start[i] for i in mine], [task.rows[i]["answer"] for i in mine]
+        r, scores, texts = score(tok, roll, starts, answers, cfg, weights)  # r: (P_rank, G) on the device
+        adv, lmask, w, w_kl, zero_std = advantages(r, roll, cfg, W)
         t2 = time.perf_counter()
-
-        # 5. policy update(s)
-        row_prompts = [prompt_ids[i] for i in mine for _ in range(G)]
-        lengths = roll.lengths.tolist()
-        batch = training_batch(row_prompts, roll.tokens, lengths, pad_id)
-        seq_len = [len(p) - 1 + n for p, n in zip(row_prompts, lengths)]
+        batch, seq_len = training_rows(prompts, roll, G, pad_id)
         stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, step)
         t3 = time.perf_counter()
         train_s += t3 - t0
-
-        # 6. metrics, reduced over ranks by name
+        # seconds of this step's parts (metrics' t_generate, t_score, t_train)
         times = {"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "step": t3 - t0}
         metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
-        for i in range(min(cfg.log_samples, len(texts))):
-            prompt = prompt_text[mine[i // G]]
-            samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
+        write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
 
         out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
         done = step == cfg.steps or out_of_time
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
-            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
+            summary, _ = evaluate(model, tok, task.eval_rows, template=cfg.template,
                                   max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
                                   tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
             metrics["eval_pass1"] = summary["pass@1"]
@@ -658,9 +697,9 @@ def main(argv=None):
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
         bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | "
                    f"zero-std {metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | "
-                   f"gen {t1 - t0:.2f}s train {t3 - t2:.2f}s{evaluated}")
-        due = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
-        if done or due or (cfg.save_every and step % cfg.save_every == 0):
+                   f"gen {times['generate']:.2f}s train {times['train']:.2f}s{evaluated}")
+        due = checkpoint_due(cfg, step, saved_at)
+        if done or due:
             saved_at = time.perf_counter()
             stopped = "time" if done and step < cfg.steps else False
             train_state = {"train_s": train_s, "wall_s": metrics["wall_s"], "stopped": stopped}
@@ -669,10 +708,32 @@ def main(argv=None):
         if done:
             break
     bar.close()
-    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
-        export_lora(model, tok, cfg.out_dir, d)
     log.close()
     samples_log.close()
+
+
+def main(argv=None):
+    cfg, d = start_stage(GRPOConfig, argv)
+    seed_all(cfg.seed, d.rank)
+    weights = check_config(cfg, d)
+    # the tokenizer and model config: no weights are read before the memory estimate
+    with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
+        model_cfg = load_config(cfg.init, cfg.size_limits)
+        tok = load_tokenizer(cfg.init)
+        stop_ids = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
+    task = load_prompts(cfg, tok, model_cfg.max_position_embeddings)
+    shapes = memory_shapes(cfg, "grpo", d.world_size, task.longest, d.device.type)
+    print0(format_memory(memory_estimate(model_cfg, **shapes)))
+    if cfg.dry_run:
+        return cleanup_dist()
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
+    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
+    model, ref, opt = build_models(cfg, d)
+    # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
+    state = start_or_resume(resume_from, cfg, model, opt, d)
+    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state)
+    if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
+        export_lora(model, tok, cfg.out_dir, d)
     release_run_dir(cfg.out_dir)
     cleanup_dist()
 
@@ -683,21 +744,6 @@ def main(argv=None):
 
 def _pad(x: torch.Tensor, T: int, value) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-
-def _permutation_stream(n: int, seed: int):
-    """i -> the i-th prompt of a stream of seeded permutations of range(n) (a new permutation each
-    epoch)."""
-    cache = {}
-
-    def at(i):
-        epoch = i // n
-        if epoch not in cache:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            cache[epoch] = torch.randperm(n, generator=g).tolist()
-        return cache[epoch][i % n]
-
-    return at
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ data.format_prompt(question) (it opens the response, e.g. with "<think>") and th
 data.sft_target(row) ("reasoning</think> <answer>N</answer>"). Labels are -100 on the prompt and on
 padding, so only the completion is learned; batches are right-padded.
 
-Batching: --global_batch sequences per step over all ranks. Step s trains on items [s*G, (s+1)*G) of
+Batching: B = --global_batch sequences per step over all ranks. Step s trains on items [s*B, (s+1)*B) of
 a seeded stream of epoch permutations, rank r on its contiguous share, which it splits into
 micro-batches of similar lengths (at most --micro_batch rows and --micro_batch_tokens padded tokens;
 packing.micro_batches) for gradient accumulation. The loss is (sum of token losses) / (target tokens
@@ -82,29 +82,31 @@ from checkpoint import (
 )
 from common import (
     DTYPES,
-    JsonlLogger,
     Progress,
     all_reduce_named,
     any_rank,
     autocast,
     check_flags,
     check_precision,
+    checkpoint_due,
     cleanup_dist,
     clip_grad_norm,
     flag,
     free_main_objects,
     grad_sync,
-    init_dist,
-    lr_at,
-    parse_config,
+    open_metrics_log,
     peak_mem_mb,
+    permutation_stream,
     print0,
+    resumed_clocks,
     seed_all,
+    set_lr,
+    start_stage,
     stays_stopped,
     user_input,
     wrap_model,
 )
-from data import encode_prompt, format_prompt, load_task, parse_knobs, sft_target
+from data import encode_prompt, format_prompt, load_splits, parse_knobs, sft_target
 from eval import evaluate
 from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
@@ -279,13 +281,11 @@ def end_warning(history: list[float], step: int, cfg: SFTConfig) -> str | None:
 
 
 # -----------------------------------------------------------------------------
+# Setup, in the order main runs it: the flags, the tokenizer, the examples, the model
 
 
-def main(argv=None):
-    cfg = parse_config(SFTConfig, argv)
-    d = init_dist(cfg.dist_timeout)
-    torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
-    W = d.world_size
+def check_config(cfg: SFTConfig, d):
+    """Refuse bad flags before anything is read."""
     check_flags(cfg,
                 at_least_1=("global_batch", "steps", "max_new_tokens", "stop_patience"),
                 at_least_0=("micro_batch", "micro_batch_tokens", "warmup", "eval_every", "save_every", "save_minutes",
@@ -293,33 +293,19 @@ def main(argv=None):
                             "weight_decay", "progress_every"),
                 positive=("lr", "dist_timeout"))
     check_out_dir(cfg.out_dir, "sft", cfg.init)  # before anything is read: never its own --init
-    if cfg.global_batch % W:
+    if cfg.global_batch % d.world_size:
         raise SystemExit(f"error: --global_batch {cfg.global_batch} is not divisible by the world "
-                         f"size {W}")
-    per_rank = cfg.global_batch // W
+                         f"size {d.world_size}")
     check_precision(cfg.dtype, cfg.weights_dtype)
     if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
         with user_input("--lora_*"):
             check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
 
-    # --- data (checked first: a typo in --task should fail before any model is built) -------------
-    # a missing file, a malformed row (named by file and line), a bad split or knob
-    with user_input("data"):
-        task_args = dict(path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
-        rows = load_task(cfg.task, cfg.split, **task_args)
-        eval_rows = load_task(cfg.task, cfg.eval_split, **task_args)
 
-    # --- tokenizer and model config: an HF dir, or a fresh preset with the char tokenizer ------------
-    if cfg.init is not None:
-        with user_input("--init"):  # a run dir whose `latest` is broken
-            path = resolve_model_dir(cfg.init)
-        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-            raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json "
-                             "and *.safetensors)")
-        with user_input("--init"):  # a bad config.json, no tokenizer, ...
-            model_cfg = load_config(path, cfg.size_limits)
-            tok = load_tokenizer(path)
-    else:
+def tokenizer_and_config(cfg: SFTConfig):
+    """An HF dir's tokenizer and model config (--init), or a fresh --model preset's with the char tokenizer.
+    -> (the model dir or None, model config, tokenizer)."""
+    if cfg.init is None:
         tok = char_tokenizer()
         with user_input("--model_overrides"):  # a typo, a string where a size goes, a config bomb
             special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -328,21 +314,34 @@ def main(argv=None):
             model_cfg = model_lib.preset_config(cfg.model, len(tok), **special, **overrides)
             if cfg.size_limits:
                 model_lib.check_size(model_cfg)
-    with user_input("--init"):  # a model directory without any stop token
-        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
-    eos_id = eos_ids[0]  # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
+        return None, model_cfg, tok
+    with user_input("--init"):  # a run dir whose `latest` is broken
+        path = resolve_model_dir(cfg.init)
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise SystemExit(f"error: --init {cfg.init}: not a model directory (needs config.json "
+                         "and *.safetensors)")
+    with user_input("--init"):  # a bad config.json, no tokenizer, ...
+        model_cfg = load_config(path, cfg.size_limits)
+        tok = load_tokenizer(path)
+    return path, model_cfg, tok
 
-    # --- examples, tokenized once: examples[i] = (ids, labels) ------------------------------------
+
+def build_examples(rows: list[dict], tok, template: str, eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """Every row as (ids, labels), tokenized once: its prompt, its worked solution, EOS."""
     examples = []
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        format_prompt(rows[0]["question"], cfg.template, tok)
+        format_prompt(rows[0]["question"], template, tok)
     for r in rows:
-        prompt, prefix = format_prompt(r["question"], cfg.template, tok)  # prefix: e.g. "<think>"
+        prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
         with user_input("data"):  # a row without a worked solution
-            target = tok.encode(sft_target(r, prefix), add_special_tokens=False)
-        examples.append(build_example(encode_prompt(tok, prompt, cfg.template), target, eos_id))
-    n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
-    max_len = model_cfg.max_position_embeddings
+            target = tok.encode(sft_target(r, response_start), add_special_tokens=False)
+        examples.append(build_example(encode_prompt(tok, prompt, template), target, eos_id))
+    return examples
+
+
+def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, max_len: int) -> tuple[int, int]:
+    """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions. -> the longest
+    example's and the longest eval prompt's tokens."""
     longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
         raise SystemExit(f"error: the longest example has {longest} tokens > the model's "
@@ -353,18 +352,14 @@ def main(argv=None):
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + "
                          f"--max_new_tokens={cfg.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={max_len}: lower --max_new_tokens")
-    # the memory this run needs; a training row is the longest example shifted by one
-    shapes = memory_shapes(cfg, "sft", W, longest_eval, d.device.type, seq=longest - 1)
-    print0(format_memory(memory_estimate(model_cfg, **shapes)))
-    if cfg.dry_run:
-        return cleanup_dist()
-    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
-    # preset and the batch (--micro_batch may change)
-    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
+    return longest, longest_eval
 
-    # --- the model: the HF dir's weights, or the preset initialised from --seed -------------------
+
+def build_model(cfg: SFTConfig, d, path, model_cfg):
+    """The HF dir's weights, or the preset initialised from --seed (+ LoRA adapters), wrapped for DDP /
+    FSDP2, and AdamW. -> (model, optimizer, parameter count, trained parameter count)."""
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's)
-    if cfg.init is not None:
+    if path is not None:
         # a truncated safetensors file, a config that does not fit the weights, ...
         with user_input("--init"):
             dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else DTYPES[cfg.weights_dtype]
@@ -390,109 +385,121 @@ def main(argv=None):
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay},
               {"params": vectors, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    perms = {}  # epoch -> seeded permutation: the data order is the same whatever the world size
+    return model, opt, n_params, n_train
 
-    def item(i: int) -> int:
-        epoch = i // len(examples)
-        if epoch not in perms:
-            g = torch.Generator().manual_seed(cfg.seed + epoch)
-            perms[epoch] = torch.randperm(len(examples), generator=g)
-        return int(perms[epoch][i % len(examples)])
 
+# -----------------------------------------------------------------------------
+# One step, the held-out eval and its stop rule
+
+
+def sft_step(model, opt, examples, mine: list[int], n_tok: int, cfg: SFTConfig, d, pad_id: int,
+             step: int) -> tuple[float, int, torch.Tensor]:
+    """One optimizer step on this rank's examples `mine` (n_tok: loss tokens in the global batch):
+    gradient accumulation over length-grouped micro-batches, grad clip, AdamW. -> (this rank's summed
+    token loss, its input tokens, the grad norm)."""
+    W = d.world_size
+    model.train()
+    losses, n_in = [], 0  # per micro-batch summed token losses (device), input tokens (host)
+    # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row
+    # (FSDP2 gathers)
+    row_lens = [len(examples[i][0]) - 1 for i in mine]
+    groups = micro_batches(row_lens, cfg.micro_batch, cfg.micro_batch_tokens)
+    for k, group in enumerate(groups):
+        micro = [examples[mine[j]] for j in group]
+        loss_free = [([pad_id, pad_id], [-100, -100])]  # for an empty micro-batch
+        inputs, targets = collate(micro or loss_free, pad_id, d.device)  # (b, T) each
+        with grad_sync(model, k == len(groups) - 1):
+            loss = sft_loss(model, inputs, targets, cfg.dtype)
+            # DDP / FSDP average gradients over ranks: x W makes it a global sum
+            (loss * W / n_tok).backward()
+        losses.append(loss.detach())
+        n_in += sum(len(ids) - 1 for ids, _ in micro)
+    grad_norm = clip_grad_norm(model, cfg.grad_clip)
+    check_finite(step, grad_norm, Path(cfg.out_dir))  # NaN/inf: stop before the update, save nothing of it
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss_sum = sum(torch.stack(losses).tolist())  # one device -> host copy
+    return loss_sum, n_in, grad_norm
+
+
+def held_out_eval(model, tok, eval_rows, cfg: SFTConfig, d, step: int, history: list[float], metrics: dict):
+    """Greedy pass@1 on --eval_split (every rank takes part), into `metrics`; at the --eval_every grid's
+    steps also into `history`. -> whether the stop rule (should_stop) now says stop."""
+    summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
+                          max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
+                          dtype=cfg.dtype)
+    metrics.update(eval_pass1=summary["pass@1"], eval_format=summary["format"],
+                   eval_len=summary["len_mean"])
+    if step % cfg.eval_every:  # the stop rules see the grid's evals only: an extra one at
+        return False  # a --max_minutes stop would shift the plateau window of the run it resumes into
+    history.append(summary["pass@1"])
+    return should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau,
+                       cfg.stop_delta, cfg.stop_floor)
+
+
+def stop_line(step: int, stop: bool, out_of_time: bool, history: list[float], cfg: SFTConfig) -> str | None:
+    """The line that says why the run stops at `step` (None: it goes on)."""
+    w = cfg.stop_plateau
+    if stop and not w:
+        return (f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
+                f"{cfg.stop_pass1} in {cfg.stop_patience} consecutive evals: stopping")
+    if stop:
+        return (f"\nstep {step}: held-out pass@1 reached --stop_pass1 {cfg.stop_pass1} and stopped climbing "
+                f"(mean of the last {w} evals {sum(history[-w:]) / w:.3f}, of the {w} before "
+                f"{sum(history[-2 * w : -w]) / w:.3f}; --stop_plateau {w}, --stop_delta {cfg.stop_delta}, "
+                f"--stop_floor {cfg.stop_floor}): stopping")
+    if out_of_time:
+        return f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# The loop, and main
+
+
+def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, state: dict, ckpt):
+    """Steps state["step"] + 1 .. --steps, or until a stop rule or --max_minutes. -> (the last step,
+    the newest checkpoint, the eval history, the wall-clock start)."""
     out = Path(cfg.out_dir)
-    # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
-    tb_dir = out / "tb" if cfg.tensorboard else None
-    log = JsonlLogger(out / "metrics.jsonl", d.is_main, wandb_project=cfg.wandb, config=asdict(cfg),
-                      tensorboard_dir=tb_dir, start_step=state["step"])
-    limits = [f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
-    limits += [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)
-    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} "
-           f"examples ({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {W} rank(s) in "
-           f"micro-batches of {' and '.join(limits) or 'no limit'}, "
-           f"dist={cfg.dist if W > 1 else 'none'}")
-    print0(f"config: {asdict(cfg)}")
-
-    # --- training loop ----------------------------------------------------------------------------
-    pass1, step, ckpt = None, state["step"], resume_from
+    log = open_metrics_log(cfg, d, state)
+    per_rank = cfg.global_batch // d.world_size
+    n_targets = [sum(y != -100 for y in labels) for _, labels in examples]  # loss tokens per example
+    order = permutation_stream(len(examples), cfg.seed)  # the data order is the same whatever the world size
+    pass1, step = None, state["step"]
     history = list(state.get("eval_history", []))  # held-out pass@1 of every eval (--stop_patience)
-    # the clocks, continued on resume: training wall time (evals excluded; for --max_minutes), wall
-    # time since start ("t_train", "elapsed_s": their keys in checkpoints written before the rename)
-    train_s = state.get("train_s", state.get("t_train", 0.0))
-    t_start = time.perf_counter() - state.get("wall_s", state.get("elapsed_s", 0.0))
+    train_s, t_start = resumed_clocks(state)
     saved_at = time.perf_counter()  # when the newest checkpoint was written (--save_minutes)
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else step + 1
     bar = Progress(cfg.steps, "sft step", initial=step, enabled=d.is_main,
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
-        lr = lr_at(step - 1, cfg.warmup, cfg.steps, cfg.lr, cfg.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = [item(i) for i in range((step - 1) * cfg.global_batch, step * cfg.global_batch)]
+        lr = set_lr(opt, step, cfg)
+        batch = [order(i) for i in range((step - 1) * cfg.global_batch, step * cfg.global_batch)]
         n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the global batch (no communication)
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
-        model.train()
-        losses, n_in = [], 0  # per micro-batch summed token losses (device), input tokens (host)
-        # length-grouped micro-batches, as many on every rank; an empty one runs a loss-free row
-        # (FSDP2 gathers)
-        row_lens = [len(examples[i][0]) - 1 for i in mine]
-        groups = micro_batches(row_lens, cfg.micro_batch, cfg.micro_batch_tokens)
-        for k, group in enumerate(groups):
-            micro = [examples[mine[j]] for j in group]
-            loss_free = [([pad_id, pad_id], [-100, -100])]  # for an empty micro-batch
-            inputs, targets = collate(micro or loss_free, pad_id, d.device)  # (b, T) each
-            with grad_sync(model, k == len(groups) - 1):
-                loss = sft_loss(model, inputs, targets, cfg.dtype)
-                # DDP / FSDP average gradients over ranks: x W makes it a global sum
-                (loss * W / n_tok).backward()
-            losses.append(loss.detach())
-            n_in += sum(len(ids) - 1 for ids, _ in micro)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip)
-        check_finite(step, grad_norm, out)  # NaN/inf: stop before the update, save nothing of it
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_sum = sum(torch.stack(losses).tolist())  # one device -> host copy
+        loss_sum, n_in, grad_norm = sft_step(model, opt, examples, mine, n_tok, cfg, d, pad_id, step)
         local = {"loss": loss_sum, "n_in": n_in, "mem_peak_mb": peak_mem_mb(d.device)}
         g = all_reduce_named(local, {"mem_peak_mb": "max"})
-        dt = time.perf_counter() - t0
-        train_s += dt
+        step_s = time.perf_counter() - t0
+        train_s += step_s
         metrics = {"step": step, "loss": g["loss"] / n_tok, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": g["n_in"] / dt, "mem_peak_mb": g["mem_peak_mb"],
+                   "tokens_per_s": g["n_in"] / step_s, "mem_peak_mb": g["mem_peak_mb"],
                    "train_s": train_s, "wall_s": time.perf_counter() - t_start}
         out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
-
-        # --- held-out eval (every rank takes part), early stop ------------------------------------
         stop = False
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
-            summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
-                                  max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
-                                  dtype=cfg.dtype)
-            pass1 = summary["pass@1"]
-            metrics.update(eval_pass1=pass1, eval_format=summary["format"],
-                           eval_len=summary["len_mean"])
-            if step % cfg.eval_every == 0:  # the stop rules see the grid's evals only: an extra one at
-                # a --max_minutes stop would shift the plateau window of the run it resumes into
-                history.append(pass1)
-                stop = should_stop(history, cfg.stop_pass1, cfg.stop_patience, cfg.stop_plateau,
-                                   cfg.stop_delta, cfg.stop_floor)
+            stop = held_out_eval(model, tok, eval_rows, cfg, d, step, history, metrics)
+            pass1 = metrics["eval_pass1"]
         log.write(metrics)
         shown = "-" if pass1 is None else f"{pass1:.3f}"
         bar.update(1, f"loss {metrics['loss']:.3f} | lr {lr:.1e} | pass1 {shown}")
         stopped = "--stop_pass1" if stop else "time" if out_of_time else False  # kept for resume
-        if stop and not cfg.stop_plateau:
-            print0(f"\nstep {step}: held-out pass@1 {history[-cfg.stop_patience:]} >= --stop_pass1 "
-                   f"{cfg.stop_pass1} in {cfg.stop_patience} consecutive evals: stopping")
-        elif stop:
-            w = cfg.stop_plateau
-            print0(f"\nstep {step}: held-out pass@1 reached --stop_pass1 {cfg.stop_pass1} and stopped climbing "
-                   f"(mean of the last {w} evals {sum(history[-w:]) / w:.3f}, of the {w} before "
-                   f"{sum(history[-2 * w : -w]) / w:.3f}; --stop_plateau {w}, --stop_delta {cfg.stop_delta}, "
-                   f"--stop_floor {cfg.stop_floor}): stopping")
-        elif out_of_time:
-            print0(f"\nstep {step}: --max_minutes {cfg.max_minutes} of training time used: stopping")
-        due = cfg.save_minutes > 0 and any_rank(time.perf_counter() - saved_at > cfg.save_minutes * 60)
-        if stopped or step == cfg.steps or due or (cfg.save_every and step % cfg.save_every == 0):
+        line = stop_line(step, stop, out_of_time, history, cfg)
+        if line:
+            print0(line)
+        due = checkpoint_due(cfg, step, saved_at)
+        if stopped or step == cfg.steps or due:
             saved_at = time.perf_counter()
             train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
                            "stopped": stopped, "eval_history": history, "train_s": train_s}
@@ -502,6 +509,43 @@ def main(argv=None):
             break
     bar.close()
     log.close()
+    return step, ckpt, history, t_start
+
+
+def main(argv=None):
+    cfg, d = start_stage(SFTConfig, argv)
+    check_config(cfg, d)
+    # data first: a typo in --task should fail before any model is built.
+    # A missing file, a malformed row (named by file and line), a bad split or knob
+    with user_input("data"):
+        rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
+    path, model_cfg, tok = tokenizer_and_config(cfg)
+    with user_input("--init"):  # a model directory without any stop token
+        eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
+    # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
+    examples = build_examples(rows, tok, cfg.template, eos_ids[0])
+    longest, longest_eval = check_lengths(cfg, examples, eval_rows, tok, model_cfg.max_position_embeddings)
+    # the memory this run needs; a training row is the longest example shifted by one
+    shapes = memory_shapes(cfg, "sft", d.world_size, longest_eval, d.device.type, seq=longest - 1)
+    print0(format_memory(memory_estimate(model_cfg, **shapes)))
+    if cfg.dry_run:
+        return cleanup_dist()
+    # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
+    # preset and the batch (--micro_batch may change)
+    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
+    model, opt, n_params, n_train = build_model(cfg, d, path, model_cfg)
+    # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
+    state = start_or_resume(resume_from, cfg, model, opt, d)
+    limits = [f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
+    limits += [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)
+    print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} "
+           f"examples ({cfg.task} {cfg.split}), global batch {cfg.global_batch} over {d.world_size} rank(s) "
+           f"in micro-batches of {' and '.join(limits) or 'no limit'}, "
+           f"dist={cfg.dist if d.world_size > 1 else 'none'}")
+    print0(f"config: {asdict(cfg)}")
+    step, ckpt, history, t_start = train(cfg, d, model, opt, tok, examples, eval_rows, pad_id, state,
+                                         resume_from)
+    out = Path(cfg.out_dir)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, out, d)
     elif d.is_main:

@@ -68,7 +68,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     itself (segments), its RoPE positions restarting at 0. share (with pack): the rows of one prompt
     hold it once: its tokens but the last as a segment of their own, then each row's last prompt
     token and completion attending to it and to itself (prefix), all in one row (attention runs
-    segment by segment: model.packed_attention), where that packs fewer tokens. -> model.forward's
+    segment by segment: packed_attention), where that packs fewer tokens. -> model.forward's
     keyword arguments: tokens (R, W'), targets (R, W'), target_pos (n, Tc) flat indices of the
     completion tokens' predictions (padding clamped to the sequence's last), and input_pos, segments
     (and prefix) (R, W') if packed."""
@@ -82,20 +82,43 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
     one_row = False  # all units in one row: attention segment by segment (prefix), whatever is shared
     if pack and share:
-        groups = {}  # first row of the prompt -> its rows here
-        for j in range(n):
-            groups.setdefault(prompt_of[rows[j]][0], []).append(j)
-        cand = [[(j, prompt_of[rows[g[0]]][1] - 1) for j in g] if len(g) > 1 else [(g[0], 0)]
-                for g in groups.values()]
-        if sum(map(width, cand)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
-            units, bins, one_row = cand, [list(range(len(cand)))], True
+        shared = _shared_prompt_units(prompt_of, rows)
+        if sum(map(width, shared)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
+            units, bins, one_row = shared, [list(range(len(shared)))], True
     Wr = max(sum(width(units[m]) for m in b) for b in bins) if bins else W  # the rows' width
     if len(bins) in (0, n) and Wr == W:  # one sequence a row: padded rows, plain causal attention
         flat = pos[ix].clamp(max=W - 1) + W * torch.arange(n, device=device)[:, None]
         return {"tokens": inputs[ix, :W], "targets": targets[ix, :W].clamp(min=0), "target_pos": flat}
-    # host: for each packed slot, its source (row, column) in inputs, its segment, prefix and position
-    src, seg, pre, at, start = [], [], [], [], [0] * n
-    L = inputs.shape[1]
+    src, seg, pre, at, start = _packed_slots(bins, units, rows, seq_len, inputs.shape[1], Wr)
+    src = torch.tensor(src, device=device)
+    real = src >= 0
+    tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
+    tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
+    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
+    flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
+    out = {"tokens": tokens.view(-1, Wr), "targets": tgt.view(-1, Wr), "target_pos": flat,
+           "input_pos": torch.tensor(at, device=device).view(-1, Wr),
+           "segments": torch.tensor(seg, device=device).view(-1, Wr)}
+    if one_row:  # (a dense mask over one row of them all would grow with its square)
+        out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
+    return out
+
+
+def _shared_prompt_units(prompt_of, rows: list[int]) -> list[list[tuple[int, int]]]:
+    """micro_batch's units with each prompt held once: per prompt with several rows here, [(j, s), ...]
+    with s = len(prompt) - 1 shared tokens; a prompt's only row, [(j, 0)]."""
+    groups = {}  # first row of the prompt -> its rows here
+    for j in range(len(rows)):
+        groups.setdefault(prompt_of[rows[j]][0], []).append(j)
+    return [[(j, prompt_of[rows[g[0]]][1] - 1) for j in g] if len(g) > 1 else [(g[0], 0)]
+            for g in groups.values()]
+
+
+def _packed_slots(bins, units, rows: list[int], seq_len: list[int], L: int, Wr: int):
+    """Host lists over the packed rows' slots (R * Wr): each slot's source in the flattened (N, L) inputs
+    (-1: padding), its segment, its prefix (the segment it also attends to), its RoPE position; and per
+    micro-batch row the flat index its column 0 would have."""
+    src, seg, pre, at, start = [], [], [], [], [0] * len(rows)
     for r, members in enumerate(bins):
         c = 0
         for u in (units[m] for m in members):
@@ -119,18 +142,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
         seg += [-1] * (Wr - c)
         pre += [-1] * (Wr - c)
         at += [0] * (Wr - c)
-    src = torch.tensor(src, device=device)
-    real = src >= 0
-    tokens = torch.where(real, inputs.flatten()[src.clamp(min=0)], 0)  # padding: any token
-    tgt = torch.where(real, targets.flatten()[src.clamp(min=0)], 0).clamp(min=0)
-    last = torch.tensor([seq_len[i] - 1 for i in rows], device=device)[:, None]  # (n, 1)
-    flat = torch.tensor(start, device=device)[:, None] + torch.minimum(pos[ix], last)  # (n, Tc)
-    out = {"tokens": tokens.view(-1, Wr), "targets": tgt.view(-1, Wr), "target_pos": flat,
-           "input_pos": torch.tensor(at, device=device).view(-1, Wr),
-           "segments": torch.tensor(seg, device=device).view(-1, Wr)}
-    if one_row:  # (a dense mask over one row of them all would grow with its square)
-        out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
-    return out
+    return src, seg, pre, at, start
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """GRPO: R1-style reinforcement learning with group-relative advantages.
 
-One step, top to bottom (follow a batch through `main`):
+One step, top to bottom (follow a batch through the loop of `train`; docs/architecture.md maps it):
   1. this rank takes its share of --prompts_per_step prompts (a seeded permutation, sliced by global rank)
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)

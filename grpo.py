@@ -1,6 +1,6 @@
 """GRPO: R1-style reinforcement learning with group-relative advantages.
 
-One step, top to bottom (follow a batch through the loop of `train`; docs/architecture.md maps it):
+One step, top to bottom (follow a batch through `grpo_step`; docs/architecture.md maps it):
   1. this rank takes its share of --prompts_per_step prompts (a seeded permutation, sliced by global rank)
   2. the KV-cache sampler draws --group_size G completions per prompt (each prompt prefilled once)
   3. rewards.reward scores every completion (each component is logged)
@@ -492,7 +492,7 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
         "logprob_gap": g["logprob_gap"] / nt,
         "t_generate": g["t_generate"],
         "t_score": times["score"],
-        "t_train": times["train"],
+        "t_train": times["update"],  # this step's update (train_s: the run's so far)
         "tokens_per_s": g["len"] / times["step"],
         "mem_peak_mb": g["mem_peak_mb"],
         "lr": lr,
@@ -647,13 +647,35 @@ def write_samples(samples_log, step: int, prompts: list[str], texts: list[str], 
         samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
 
 
+def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, order):
+    """One GRPO step on this rank's share of the step's prompts: rollout -> score -> advantages -> update ->
+    metrics (reduced over ranks). -> metrics, the completions' texts and scores, their problems, and the
+    seconds of the step's parts (metrics' t_generate, t_score, t_train: this step's update)."""
+    t0 = time.perf_counter()
+    lr = set_lr(opt, step, cfg)
+    eos_ids, pad_id = stop_ids
+    first, mine = step_prompts(step, order, cfg, d)
+    prompts = [task.ids[i] for i in mine]
+    roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
+    t1 = time.perf_counter()
+    starts, answers = [task.response_start[i] for i in mine], [task.rows[i]["answer"] for i in mine]
+    r, scores, texts = score(tok, roll, starts, answers, cfg, weights)  # r: (P_rank, G) on the device
+    adv, lmask, w, w_kl, zero_std = advantages(r, roll, cfg, d.world_size)
+    t2 = time.perf_counter()
+    batch, seq_len = training_rows(prompts, roll, cfg.group_size, pad_id)
+    stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, step)
+    t3 = time.perf_counter()
+    times = {"generate": t1 - t0, "score": t2 - t1, "update": t3 - t2, "step": t3 - t0}
+    metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
+    return metrics, texts, scores, mine, times
+
+
 # -----------------------------------------------------------------------------
 # The loop: one GRPO step after another, each logged, evaluated and checkpointed on schedule
 
 
 def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict):
     """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
-    eos_ids, pad_id = stop_ids
     log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
     P, G, W = cfg.prompts_per_step, cfg.group_size, d.world_size
@@ -666,23 +688,9 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
     bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main,
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
-        t0 = time.perf_counter()
-        lr = set_lr(opt, step, cfg)
-        first, mine = step_prompts(step, order, cfg, d)
-        prompts = [task.ids[i] for i in mine]
-        roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
-        t1 = time.perf_counter()
-        starts, answers = [task.response_start[i] for i in mine], [task.rows[i]["answer"] for i in mine]
-        r, scores, texts = score(tok, roll, starts, answers, cfg, weights)  # r: (P_rank, G) on the device
-        adv, lmask, w, w_kl, zero_std = advantages(r, roll, cfg, W)
-        t2 = time.perf_counter()
-        batch, seq_len = training_rows(prompts, roll, G, pad_id)
-        stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, step)
-        t3 = time.perf_counter()
-        train_s += t3 - t0
-        # seconds of this step's parts (metrics' t_generate, t_score, t_train)
-        times = {"generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "step": t3 - t0}
-        metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
+        metrics, texts, scores, mine, times = grpo_step(step, cfg, d, model, ref, opt, tok, task, weights,
+                                                        stop_ids, order)
+        train_s += times["step"]
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
         write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
 
@@ -697,7 +705,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
         bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | "
                    f"zero-std {metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | "
-                   f"gen {times['generate']:.2f}s train {times['train']:.2f}s{evaluated}")
+                   f"gen {times['generate']:.2f}s train {times['update']:.2f}s{evaluated}")
         due = checkpoint_due(cfg, step, saved_at)
         if done or due:
             saved_at = time.perf_counter()

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+import fast
 import rewards
 import verifier
 from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
@@ -234,6 +235,7 @@ def main(argv=None):
             load_adapter(model, path)
             if cfg.lora_merge:
                 merge_lora(model)
+    fast.use_onednn(model)  # fp32 projections through oneDNN where it is the faster kernel (an AMD AVX-512 CPU)
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         rows = load_task(cfg.task, cfg.split, path=cfg.data_path, seed=cfg.data_seed, **parse_knobs(cfg.task_knobs))
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template

@@ -9,8 +9,8 @@ prompts of ~32 tokens (left-padded for HF), fp32, plain sampling at temperature 
 the two sides interleaved so background load hits both alike. Also printed: the decode's achieved GFLOP/s (its
 matmul FLOPs over its time) next to plain torch.matmul on the same shapes, i.e. this machine's ceiling for them.
 Speedups are medians of per-repetition ratios. The last line is machine-readable: the smallest speedup over
-all configs and devices. Also timed, reported apart: generate(fused=False), each step through the model's forward
-instead of sampler.fused_step; --compile adds generate(compile=True).
+all configs and devices. Also timed, reported apart: generate(fast="shared"), each step through the model's forward
+instead of fast.fused_step; --compile adds generate(fast="compile").
 
     python bench.py --vs_trl   # one GRPO step of grpo.py vs TRL's GRPOTrainer, same settings (pip install trl==1.16.0)
 
@@ -28,8 +28,8 @@ torch.compile; it compiles inside the warm-up; skipped, one line, without a C++ 
 the rest still runs.
 --ablate adds grpo.py's step without each of its speed-ups (--pack off; --share_prompt off; finished rows kept
 in the decode batch; each row its own copy of its prompt's cache slots; the model's forward instead of
-sampler.fused_step for each decode step), and with every fp32 projection on aten's kernel instead of oneDNN
-(model.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way round), each on its own copy
+fast.fused_step for each decode step), and with every fp32 projection on aten's kernel instead of oneDNN
+(fast.ONEDNN off; where it is off by default, AVX2 or an Intel CPU, the other way round), each on its own copy
 of the model, interleaved with the rest.
 """
 
@@ -45,8 +45,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+import fast
 import grpo
-import model
 import packing
 import sampler
 from common import cxx_compiler
@@ -95,7 +95,7 @@ def bench(name, device, reps, compile):
     cfg = preset_config(name, VOCAB)
     with tempfile.TemporaryDirectory() as d:
         save_model(Transformer(cfg), d)
-        ours = load_model(d, device)
+        ours = fast.use_onednn(load_model(d, device))  # as the stage scripts run it
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()
     g = torch.Generator(device).manual_seed(0)
     lens = torch.randint(28, 37, (BATCH,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -106,8 +106,8 @@ def bench(name, device, reps, compile):
     hf_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW,
                               min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
 
-    def run_ours(n=NEW, compile=False, fused=None):
-        out = generate(ours, prompts, n, eos_ids=(), generator=g, compile=compile, fused=fused)
+    def run_ours(n=NEW, mode="auto"):
+        out = generate(ours, prompts, n, eos_ids=(), generator=g, fast=mode)
         assert out.tokens.shape == (BATCH, n) and out.mask.all()
 
     def run_hf():
@@ -118,15 +118,15 @@ def bench(name, device, reps, compile):
     run_ours(), run_hf()  # warm-up
     if compile:  # compiles (tens of seconds on CPU), from scratch: sizes another preset
         torch._dynamo.reset()  # changed would stay symbolic (slower code), and dynamo's recompile limit counts them
-        run_ours(compile=True)
+        run_ours(mode="compile")
     t = {"ours": [], "hf": [], "prefill": [], "unfused": [], "compiled": []}
     for _ in range(reps):  # interleaved, so a burst of background load hits both sides
         t["ours"].append(timed(run_ours, device))
         t["hf"].append(timed(run_hf, device))
-        t["unfused"].append(timed(lambda: run_ours(fused=False), device))
+        t["unfused"].append(timed(lambda: run_ours(mode="shared"), device))
         t["prefill"].append(timed(lambda: run_ours(1), device))
         if compile:
-            t["compiled"].append(timed(lambda: run_ours(compile=True), device))
+            t["compiled"].append(timed(lambda: run_ours(mode="compile"), device))
     med = {k: statistics.median(v) for k, v in t.items() if v}
     speedup = statistics.median(h / o for h, o in zip(t["hf"], t["ours"]))  # of each adjacent pair
     params = sum(p.numel() for p in ours.parameters())
@@ -136,11 +136,11 @@ def bench(name, device, reps, compile):
           f"({med['hf']:.2f}s), speedup {speedup:.2f}x | decode {achieved:.1f} GFLOP/s vs torch.matmul on the same "
           f"shapes {matmul_gflops(cfg, BATCH, device, reps):.1f} GFLOP/s", flush=True)
     fused = statistics.median(u / o for u, o in zip(t["unfused"], t["ours"]))
-    print(f"{name} {device.type}: ours with fused=False (the model's forward each step) "
+    print(f"{name} {device.type}: ours with fast=\"shared\" (the model's forward each step) "
           f"{BATCH * NEW / med['unfused']:,.0f} tok/s ({med['unfused']:.2f}s), {med['hf'] / med['unfused']:.2f}x HF "
           f"generate; the fused step {fused:.2f}x it (not in the summary)")
     if compile:
-        print(f"{name} {device.type}: ours with compile=True {BATCH * NEW / med['compiled']:,.0f} tok/s "
+        print(f"{name} {device.type}: ours with fast=\"compile\" {BATCH * NEW / med['compiled']:,.0f} tok/s "
               f"({med['compiled']:.2f}s), {med['hf'] / med['compiled']:.2f}x HF generate (not in the summary)")
     return speedup
 
@@ -172,7 +172,8 @@ class OurSide:
     timed in two parts; plus the compute floor of the same step."""
 
     def __init__(self, model_dir, prompts: list[list[int]], cfg: grpo.GRPOConfig):
-        self.model, self.tok, self.prompts, self.cfg = load_model(model_dir), load_tokenizer(model_dir), prompts, cfg
+        self.model = fast.use_onednn(load_model(model_dir))  # as grpo.py builds it
+        self.tok, self.prompts, self.cfg = load_tokenizer(model_dir), prompts, cfg
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=0.0)
         self.rng = torch.Generator().manual_seed(1)  # the random rewards
         self.times = []  # (generate, train) per step
@@ -273,17 +274,16 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         text = [format_prompt(rows[i]["question"], "short")[0] for i in order]
         ours = OurSide(model_dir, [tok.encode(t) for t in text], cfg)
         # --ablate: grpo.py's step again without one of its speed-ups each, on its own copy of the model
-        # (cfg, sampler.DROP_EVERY, the CPU's decode modes, model.ONEDNN)
-        plain, on = dict(sampler.DEFAULTS["cpu"]), model.ONEDNN
+        # (cfg, sampler.DROP_EVERY, the CPU's decode mode, fast.ONEDNN)
+        plain, on = sampler.DEFAULTS["cpu"], fast.ONEDNN
         variants = {"--compile": (dataclasses.replace(cfg, compile=True), sampler.DROP_EVERY, plain, on),
                     "without --pack": (dataclasses.replace(cfg, pack=False), sampler.DROP_EVERY, plain, on),
                     "without --share_prompt": (dataclasses.replace(cfg, share_prompt=False), sampler.DROP_EVERY,
                                                plain, on),
                     "without dropping finished rows": (cfg, math.inf, plain, on),
-                    "without the shared prompt slots": (cfg, sampler.DROP_EVERY, plain | {"shared_prompt": False},
-                                                        on),
-                    "without the fused decode step": (cfg, sampler.DROP_EVERY, plain | {"fused": False}, on)}
-        if model.ONEDNN_AVAILABLE:  # the same step with the other kernel for every large fp32 projection
+                    "without the shared prompt slots": (cfg, sampler.DROP_EVERY, "fused", on),
+                    "without the fused decode step": (cfg, sampler.DROP_EVERY, "shared", on)}
+        if fast.ONEDNN_AVAILABLE:  # the same step with the other kernel for every large fp32 projection
             other = "without oneDNN projections" if on else "with oneDNN projections (MINIGRPO_ONEDNN=1)"
             variants[other] = (cfg, sampler.DROP_EVERY, plain, not on)
         if cxx_compiler() is None:
@@ -295,12 +295,12 @@ def vs_trl(steps: int, warmup: int, threads: int, trl: bool = True, ablate: bool
         def our_step(step):
             ours.floor(*ours.step(step))
             for name, side in others.items():
-                defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN
-                sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN = variants[name][1:]
+                defaults = sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], fast.ONEDNN
+                sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], fast.ONEDNN = variants[name][1:]
                 try:
                     side.step(step)
                 finally:
-                    sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], model.ONEDNN = defaults
+                    sampler.DROP_EVERY, sampler.DEFAULTS["cpu"], fast.ONEDNN = defaults
 
         try:
             import trl  # noqa: F401

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import fast
 import rewards
 from checkpoint import (
     check_finite,
@@ -320,7 +321,7 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
             gen = generate(
                 model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size,
                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                eos_ids=eos_ids, pad_id=pad_id, noise=noise, compile=cfg.compile,
+                eos_ids=eos_ids, pad_id=pad_id, noise=noise, fast="compile" if cfg.compile else "auto",
             )  # fmt: skip
         parts.append(gen)
     # calls stop at different lengths: pad to the longest
@@ -584,9 +585,10 @@ def build_models(cfg: GRPOConfig, d):
     if cfg.beta > 0 and not cfg.lora_rank:
         ref = load_model(cfg.init, device=d.device, dtype=weights_dtype,
                          size_limits=cfg.size_limits)
-        ref = ref.requires_grad_(False).eval()
+        ref = fast.use_onednn(ref).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d, cfg.dtype)
+    fast.use_onednn(model)  # fp32 projections through oneDNN where it is the faster kernel (an AMD AVX-512 CPU)
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     model = wrap_model(model, cfg.dist, d, cfg.dtype)
     if cfg.beta > 0 and cfg.lora_rank:

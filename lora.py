@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from model import Linear, Transformer, linear
+from model import Transformer
 
 # LoRA (Hu et al. 2021): a frozen projection W plus a trainable low-rank update, y = W x + (alpha / r) B A x.
 # Parameter names are PEFT's (q_proj.lora_A.weight, ...) and the base keeps its HF name (q_proj.weight), so the base
@@ -36,8 +37,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.weight, self.bias = base.weight, base.bias  # the same tensors, under the same names
         device, n_in = base.weight.device, base.in_features
-        self.lora_A = Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+        self.lora_A = nn.Linear(n_in, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():
             a = (torch.rand(rank, n_in, generator=generator) * 2 - 1) / math.sqrt(n_in)  # on the CPU: any device
             self.lora_A.weight.copy_(a)
@@ -45,9 +46,10 @@ class LoRALinear(nn.Module):
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True  # False: the base projection alone (the KL reference, see adapters_off)
+        self.linear = F.linear  # the base product (fast.use_onednn swaps in oneDNN's)
 
     def forward(self, x):  # x (B, T, in) -> (B, T, out)
-        y = linear(x, self.weight, self.bias)
+        y = self.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
         a = self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype))  # (B, T, r)
@@ -97,7 +99,7 @@ def merge_lora(model: "Transformer") -> "Transformer":
     (in place; not under FSDP2). Returns the model."""
     for name, m in lora_layers(model).items():
         parent, child = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        plain = Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
+        plain = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=m.bias is not None, device="meta")
         with torch.no_grad():
             plain.weight = nn.Parameter((m.weight.float() + m.delta()).to(m.weight.dtype), requires_grad=False)
         plain.bias = m.bias

@@ -4,9 +4,9 @@
     logits = model(tokens)                 # (B, T, vocab) fp32: the one forward entry point
     logp, entropy = model(tokens, targets=next_tokens)   # (B, T) each, without (B, T, vocab) logits in memory
 
-Reading and writing HF directories is hf.py's, LoRA lora.py's, the memory estimate memory.py's; the sampler that
-drives the KV cache lives in sampler.py. The CPU speed paths (the oneDNN projections, decode_attention,
-SharedPromptCache, packed_attention) still live here too.
+Reading and writing HF directories is hf.py's, LoRA lora.py's, the memory estimate memory.py's, packing rows
+packing.py's; the sampler that drives the KV cache lives in sampler.py. The CPU speed paths (oneDNN projections, the
+fused decode step, shared prompt slots) are fast.py's, which this file never imports: the stage scripts swap them in.
 
 Module and parameter names are Hugging Face's, so a checkpoint loads by stripping "model." and a strict
 load_state_dict, and hf.save_model writes a directory that transformers.AutoModelForCausalLM loads unchanged.
@@ -15,15 +15,11 @@ Llama `attention_bias`/`mlp_bias` options): such configs are rejected with an er
 """
 
 import math
-import os
-import platform
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 # targets mode: logits are computed for chunks of (row, position) pairs, each at most LOGITS_CHUNK fp32 values (64 MB)
@@ -217,16 +213,10 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def keep_rows(rows, length: int, *caches) -> tuple:
-    """rows (n,) long the batch rows to keep, in this order; caches (layers, batch, kv_heads, slots, D) each -> each
-    cache's first n rows holding them (their first `length` slots; a view). In place, copying only the rows that
-    move (sampler's order moves few): a new cache-sized tensor would cost its page faults on the CPU (~17 ms for
-    the --vs_trl sampler's 30 MB, 4% of a rollout)."""
-    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()[:, 0]  # (m,)
-    src = rows[moved]
-    for x in caches:
-        x[:, moved, :, :length] = x[:, src, :, :length]  # (the source is read whole before it is written)
-    return tuple(x[:, : len(rows)] for x in caches)
+def additive_mask(keep, dtype):
+    """keep (any shape) bool -> 0 where True, -inf where False, in dtype: SDPA's additive mask (a bool one SDPA on
+    the CPU converts at every call, slowly). Every attention mask in minigrpo is made here."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 class KVCache:
@@ -243,282 +233,79 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # slots filled; a forward writes the next T slots, then advances it
 
-    def keep_rows(self, rows):  # rows (n,) long: the batch rows to keep, in this order (in place)
-        self.k, self.v = keep_rows(rows, self.length, self.k, self.v)
+    def update(self, layer, k, v, start=None):
+        """k, v (B, T, kv_heads, D): written at slots start.. (default: length) -> all keys and values up to them,
+        (B, kv_heads, start + T, D) each. start is given by a compiled caller, so its graph does not fix it."""
+        start = self.length if start is None else start
+        T = k.shape[1]
+        self.k_layers[layer].narrow(2, start, T).copy_(k.transpose(1, 2))  # (copy_ casts: autocast's k is fp32)
+        self.v_layers[layer].narrow(2, start, T).copy_(v.transpose(1, 2))
+        return self.k_layers[layer][:, :, : start + T], self.v_layers[layer][:, :, : start + T]
+
+    def keep_rows(self, rows):
+        """rows (n,) long: the batch rows to keep, in this order -> the cache's first n rows hold them (a view). In
+        place, copying only the rows that move (the sampler's order moves few): a new cache-sized tensor would
+        cost its page faults on the CPU (~17 ms for the --vs_trl sampler's 30 MB, 4% of a rollout)."""
+        moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()[:, 0]  # (m,)
+        src = rows[moved]
+        for x in (self.k, self.v):
+            x[:, moved, :, : self.length] = x[:, src, :, : self.length]  # (the source is read whole first)
+        self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
-    def update(self, layer, k, v):  # k, v (B, T, kv_heads, D) -> all keys/values so far (B, kv_heads, length + T, D)
-        T, end = k.shape[1], self.length + k.shape[1]
-        self.k_layers[layer].narrow(2, self.length, T).copy_(k.transpose(1, 2))
-        self.v_layers[layer].narrow(2, self.length, T).copy_(v.transpose(1, 2))
-        return self.k_layers[layer][:, :, :end], self.v_layers[layer][:, :, :end]
 
-
-class SharedPromptCache:
-    """The sampler's cache for G samples of each of P prompts, decoding one token a step: each prompt's keys and
-    values once, k_prompt, v_prompt (layers, P, kv_heads, L, D) with pad_bias (P, 1, 1, L) (0 or -inf: the left
-    padding), and the N = P * G rows' own new tokens, k, v (layers, N, kv_heads, max_len, D). A query attends to
-    both at once (one softmax over L + length slots) and reads the prompt's slots once for its G rows, not G times.
-    rows (n,): which of the N rows (prompt-major, row = prompt * G + sample) are still decoding."""
-
-    def __init__(self, prompt: KVCache, real, G: int, max_len: int):
-        self.k_prompt, self.v_prompt = prompt.k, prompt.v  # (layers, P, Hkv, L, D)
-        P, L = real.shape  # real (P, L) bool: the prompt slots that hold tokens
-        self.pad_bias = torch.zeros(P, 1, 1, L, dtype=prompt.k.dtype, device=real.device).masked_fill_(
-            ~real[:, None, None], float("-inf"))
-        layers, _, Hkv, _, D = prompt.k.shape
-        self.k = prompt.k.new_zeros(layers, P * G, Hkv, max_len, D)
-        self.v = torch.zeros_like(self.k)
-        self.G, self.max_len, self.length = G, max_len, 0
-        self.rows = torch.arange(P * G, device=real.device)
-
-    def keep_rows(self, rows):  # rows (n,) long, indices into the rows left: keep these, in this order (in place)
-        self.k, self.v = keep_rows(rows, self.length, self.k, self.v)
-        self.rows = self.rows[rows]
-
-    def _to_grid(self, x):  # (n, Hkv, g, X) -> (P, Hkv, G * g, X); rows that have left are zero (and unread)
-        N = len(self.pad_bias) * self.G
-        if len(x) < N:
-            x = x.new_zeros(N, *x.shape[1:]).index_copy_(0, self.rows, x)
-        return x.unflatten(0, (len(self.pad_bias), self.G)).transpose(1, 2).flatten(2, 3)
-
-    def _from_grid(self, x):  # (P, Hkv, G * g, X) -> (n, Hkv, g, X): the rows still decoding
-        x = x.unflatten(2, (self.G, -1)).transpose(1, 2).flatten(0, 1)
-        return x if len(self.rows) == len(x) else x.index_select(0, self.rows)
-
-    def attend(self, layer, q, k, v):
-        """q (n, 1, H, D) this step's queries, k, v (n, 1, Hkv, D) its keys and values (written at slot length)
-        -> (n, 1, H * D): softmax(q K^T / sqrt(D)) V over the row's prompt slots and its new ones."""
-        n, _, H, D = q.shape
-        Hkv, L = k.shape[2], self.pad_bias.shape[-1]
-        t = self.length + 1
-        self.k[layer, :, :, t - 1] = k[:, 0]
-        self.v[layer, :, :, t - 1] = v[:, 0]
-        q = q.view(n, Hkv, H // Hkv, D) * D**-0.5  # a kv head's H / Hkv query heads side by side
-        grid_q = self._to_grid(q)  # (P, Hkv, G * g, D)
-        s_prompt = self._from_grid(torch.matmul(grid_q, self.k_prompt[layer].transpose(-1, -2)) + self.pad_bias)
-        k_new, v_new = self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (n, Hkv, t, D)
-        w = torch.cat((s_prompt, torch.matmul(q, k_new.transpose(-1, -2))), -1)  # (n, Hkv, g, L + t)
-        w = w.float().softmax(-1).to(self.k.dtype)  # (in fp32, as SDPA does)
-        y = self._from_grid(torch.matmul(self._to_grid(w[..., :L]), self.v_prompt[layer]))  # (n, Hkv, g, D)
-        y = y + torch.matmul(w[..., L:], v_new)  # (n, Hkv, g, D)
-        return y.reshape(n, 1, H * D)
-
-
-class Packed(NamedTuple):  # packed_attention's index maps
-    own: torch.Tensor  # (n, L) flat positions of the segments without a prompt (padding: the last), causal
-    shared: tuple | None  # segments with one: (q (m, Lq), k (m, Lk) the prompt's then their own, bias (m, 1, Lq, Lk))
-    inv: torch.Tensor  # (B T,) each position's index in the two's outputs, (n L + m Lq); 0 for padding
-
-
-def packed_attention(segments, prefix, dtype) -> Packed:
-    """Attention over packed rows segment by segment instead of over whole rows (whose masked pairs grow with the
-    square of the width), each segment an SDPA batch entry: segments without a prompt (the prompts themselves,
-    sequences alone) causal within themselves; segments with one, their queries against its keys, then their own.
-    Two batches, so a long prompt does not pad its short continuations. segments, prefix (B, T) long as
-    model.forward's, a segment's id the flat index (row * T + column) of its first position, its positions
-    contiguous; -1: padding."""
-    seg, pre = segments.flatten(), prefix.flatten()  # (B T,)
-    device, real = seg.device, seg >= 0
-    starts, lens = torch.unique(seg[real], return_counts=True)  # (S,) each, in flat order
-    length = torch.zeros_like(seg).index_put_((starts,), lens)  # (B T,) each segment's length at its id
-    p0 = pre[starts]  # (S,) each segment's prompt: itself where it has none
-    pl = torch.where(p0 == starts, 0, length[p0])  # (S,) its prompt's length
-    has = pl > 0
-    n, L, Lq, Lk = torch.stack([(~has).sum(), torch.where(has, 0, lens).max(), torch.where(has, lens, 0).max(),
-                                torch.where(has, lens + pl, 0).max()]).tolist()  # one host sync
-    last = starts + lens - 1  # (S,)
-    i, j = torch.arange(max(L, Lq), device=device), torch.arange(Lk, device=device)
-    a, b = (~has).nonzero()[:, 0], has.nonzero()[:, 0]  # (n,), (m,) which segments
-    own = torch.minimum(starts[a, None] + i[:L], last[a, None])  # (n, L)
-    shared = None
-    if len(b):
-        col = j - pl[b, None]  # (m, Lk) key j's column in its segment; < 0: in the prompt
-        k = torch.where(col < 0, p0[b, None] + j, torch.minimum(starts[b, None] + col, last[b, None]))  # (m, Lk)
-        keep = (col[:, None, :] < 0) | (col[:, None, :] <= i[:Lq, None])  # (m, Lq, Lk): the prompt, then causal
-        bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None]
-        shared = (torch.minimum(starts[b, None] + i[:Lq], last[b, None]), k, bias)
-    # each segment's first output row: its group's block, then its place in the group
-    rank = torch.empty_like(starts)
-    rank[a], rank[b] = torch.arange(len(a), device=device) * L, n * L + torch.arange(len(b), device=device) * Lq
-    flat = torch.arange(len(seg), device=device)
-    u = (torch.searchsorted(starts, flat, right=True) - 1).clamp(min=0)  # (B T,) each position's segment
-    return Packed(own, shared, torch.where(real, rank[u] + flat - starts[u], 0))
-
-
-def decode_attention(q, k, v, mask):
-    """One query step as two batched matmuls (on the CPU ~2x faster than its SDPA kernel at decode shapes; the
-    softmax in fp32, as SDPA's). q (B, Hkv, g, D), k, v (B, Hkv, S, D), mask (B, 1, 1, S) additive or None
-    -> (B, Hkv, g, D). Traced by torch.compile, the two products are multiply-and-sums that inductor fuses into
-    one pass over the keys and one over the values (aten's bmm is a small GEMM per row and head, ~1 us each at
-    these shapes: ~40% of a compiled decode step; eagerly the products would be written out)."""
-    q = q * q.shape[-1] ** -0.5
-    compiling = torch.compiler.is_compiling()
-    w = (q[:, :, :, None] * k[:, :, None]).sum(-1) if compiling else torch.matmul(q, k.transpose(-1, -2))
-    if mask is not None:  # w (B, Hkv, g, S)
+def attention(q, k, v, mask):
+    """The one masked attention. q (B, T, H, D); k, v (B, Hkv, S, D), each kv head serving H / Hkv query heads;
+    mask additive (B or 1, 1, T, S), or None: causal (T == S) or, for one query, every key. -> (B, T, H, D)"""
+    B, T, H, D = q.shape
+    if T > 1:
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=True)  # (B, H, T, D)
+        return y.transpose(1, 2)
+    q = q.view(B, k.shape[1], -1, D)  # one query: a kv head's query heads act as queries of it (B, Hkv, H / Hkv, D)
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, 1, H, D)
+    # on the CPU two matmuls: its SDPA kernel is ~2x slower at decode shapes (docs/speed.md); softmax in fp32, as SDPA
+    w = torch.matmul(q * D**-0.5, k.transpose(-1, -2))  # (B, Hkv, H / Hkv, S)
+    if mask is not None:
         w = w + mask
     w = w.float().softmax(-1).to(v.dtype)
-    return (w[..., None] * v[:, :, None]).sum(-2) if compiling else torch.matmul(w, v)
-
-
-# fp32 projections on an AMD x86 CPU with AVX-512 go through oneDNN (torch's own CPU kernels library): torch sends
-# an fp32 F.linear to MKL's sgemm, which runs ~2.4x below oneDNN's rate on an AVX-512 AMD EPYC (175 against 430
-# GFLOP/s at (3500, 256) x (256, 768); docs/speed.md). On an Intel Xeon with AVX-512 MKL is the faster one (oneDNN
-# 0.81-0.97x at the same shapes, a GRPO step 12% slower), and where the CPU (or ATEN_CPU_CAPABILITY) stops at AVX2
-# the two run alike and oneDNN's per-call cost makes a GRPO step ~4% slower, so aten keeps them there. Same values
-# to fp32 rounding. MINIGRPO_ONEDNN=0 turns it off, =1 on whatever the CPU.
-_ONEDNN_ENV = os.environ.get("MINIGRPO_ONEDNN", "")
-if _ONEDNN_ENV not in ("", "0", "1"):
-    raise ValueError(f"MINIGRPO_ONEDNN={_ONEDNN_ENV!r}: use 1 (oneDNN projections on), 0 (off) or leave it unset "
-                     "(on where the CPU is an AMD one that runs AVX-512)")
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The x86 vendor string ('AuthenticAMD', 'GenuineIntel', ...) from /proc/cpuinfo (Linux) or, elsewhere,
-    platform.processor() (Windows: 'AMD64 Family 25 ... AuthenticAMD'); '' where neither says."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read(1 << 16)
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    proc = platform.processor()
-    return next((v for v in ("AuthenticAMD", "GenuineIntel") if v in proc), "")
-
-
-ONEDNN_AVAILABLE = (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-ONEDNN = ONEDNN_AVAILABLE and _ONEDNN_ENV != "0" and (_ONEDNN_ENV == "1" or (
-    torch.backends.cpu.get_cpu_capability().startswith("AVX512") and cpu_vendor() == "AuthenticAMD"))
-# below this many multiply-adds (rows x in x out) aten's kernel is the faster one: oneDNN's per-call cost is
-# ~15 us (the demo's 96-wide decode stays on aten; its training rows and a 256-wide model's decode do not)
-ONEDNN_MIN_MACS = 2**21
-
-
-def _onednn(x, w, b=None):  # x (..., in), w (out, in), b (out,) or None -> (..., out)
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x w^T + b with oneDNN forward and input gradient; the weight gradient a plain matmul (oneDNN is no
-    faster at its long reduction)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.bias = b is not None
-        return _onednn(x, w, b)
-
-    @staticmethod
-    def backward(ctx, gy):  # gy (..., out)
-        x, w = ctx.saved_tensors
-        gx = _onednn(gy, w.t()) if ctx.needs_input_grad[0] else None  # (..., in)
-        g2 = gy.reshape(-1, gy.shape[-1])  # (rows, out)
-        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None  # (out, in)
-        gb = g2.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
-
-
-def _onednn_runs(w, macs: int, min_macs: int | None = None) -> bool:  # the rule, for linear(), onednn_packed()
-    return (ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32 and not isinstance(w, DTensor)
-            and macs >= (ONEDNN_MIN_MACS if min_macs is None else min_macs))  # w (out, in)
-
-
-# _onednn as one opaque op for torch.compile, forward only: inductor would lower the product to its own GEMM (MKL's:
-# at a 256-wide model's decode ~2x slower than oneDNN's on packed weights); a Library op costs ~10 us less a call
-# than a torch.library.custom_op (whose Python wrappers run at every call)
-if not hasattr(torch.ops.minigrpo, "onednn_linear"):  # (defined once per process, whatever imports this file)
-    _LIB = torch.library.Library("minigrpo", "DEF")
-    _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? b, int out) -> Tensor")
-    _LIB.impl("onednn_linear", lambda x, packed, b, out: _onednn(x, packed, b), "CompositeExplicitAutograd")
-    torch.library.register_fake("minigrpo::onednn_linear", lambda x, packed, b, out: x.new_empty(*x.shape[:-1], out))
-
-
-def linear(x, w, b=None, packed=None):
-    """F.linear, through oneDNN for fp32 on an AMD x86 CPU with AVX-512 (see ONEDNN): x (..., in), w (out, in)
-    -> (..., out). packed: onednn_packed(w), which oneDNN then reads instead of w (without gradients; traced by
-    torch.compile too, as one op). Otherwise traced, the product is inductor's."""
-    if torch.compiler.is_compiling():  # (the op has no gradient: packed copies are for no_grad calls only)
-        if packed is None or torch.is_grad_enabled():
-            return F.linear(x, w, b)
-        return torch.ops.minigrpo.onednn_linear(x, packed, b, w.shape[0])
-    if (not _onednn_runs(w, x.numel() * w.shape[0]) or x.device.type != "cpu" or x.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu")):
-        return F.linear(x, w, b)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        return _OneDNNLinear.apply(x, w, b)
-    return _onednn(x, w if packed is None else packed, b)
-
-
-def onednn_packed(w, rows: int, min_macs: int | None = None):
-    """w (out, in) -> a copy in oneDNN's blocked layout for calls of about `rows` rows, or None where linear()
-    would not run oneDNN for that many (or below min_macs multiply-adds, if given). oneDNN otherwise reorders w at
-    every call: at the sampler's 64-row decode of a 256-wide model that is 10-30% of a projection (docs/speed.md);
-    the products are bitwise the same."""
-    if rows < 1 or not _onednn_runs(w, rows * w.numel(), min_macs):  # (rows 0: no copies, whatever the size)
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (the same parameters and names) whose forward is linear() above."""
-
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
+    return torch.matmul(w, v).view(B, 1, H, D)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, H, D)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if isinstance(cache, SharedPromptCache):  # the sampler's decode step: G rows share each prompt's slots
-            return self.o_proj(cache.attend(layer, q, k, v))
-        if isinstance(mask, Packed):  # segment by segment (packed_attention), each padded to its batch's longest
-            seg = lambda x, at: x.reshape(B * T, -1, self.head_dim).index_select(0, at.flatten()).unflatten(
-                0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
-            at = mask.own
-            ys = [F.scaled_dot_product_attention(seg(q, at), seg(k, at), seg(v, at), is_causal=True, enable_gqa=True)]
-            if mask.shared is not None:
-                at, keys, bias = mask.shared
-                ys.append(F.scaled_dot_product_attention(seg(q, at), seg(k, keys), seg(v, keys), attn_mask=bias,
-                                                         enable_gqa=True))  # (m, H, Lq, D)
-            y = torch.cat([y.transpose(1, 2).flatten(0, 1) for y in ys]).index_select(0, mask.inv)  # (B T, H, D)
-            return self.o_proj(y.view(B, T, -1))
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, Hkv, S, D), S = slots filled so far
+        if hasattr(cache, "attend"):  # a cache that attends itself (the sampler's fast.SharedPromptCache)
+            y = cache.attend(layer, q, k, v)
+        elif hasattr(mask, "attend"):  # a mask that attends itself (packed rows: packing.Packed)
+            y = mask.attend(q, k, v)
         else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, D)
-        # grouped-query attention: each kv head serves G = n_heads // n_kv_heads query heads
-        if T == 1:  # decoding: a kv head's G query heads act as G queries of it (one mask)
-            q = q.view(B, self.n_kv_heads, -1, self.head_dim)  # (B, Hkv, G, D)
-            # on the CPU two matmuls: its SDPA kernel is ~2x slower at these shapes (docs/speed.md)
-            y = decode_attention(q, k, v, mask) if x.device.type == "cpu" else \
-                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=True).transpose(1, 2)  # (B, T, H, D)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # (B, Hkv, S, D), S = slots filled so far
+            else:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
+            y = attention(q, k, v, mask)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -564,6 +351,27 @@ def token_logp(hidden, targets, lm_head, temperature):
     return logp, entropy
 
 
+def attention_mask(T: int, start: int, attn_mask, segments, dtype, device):
+    """Transformer.forward's mask for T queries at cache slots start..start+T-1 (its arguments): additive
+    (B or 1, 1, T, S), S = start + T; None for plain causal attention (or none at all for one query); or segments
+    itself where it attends itself."""
+    if hasattr(segments, "attend"):  # packed rows with shared prompts: attention segment by segment
+        return segments
+    if segments is not None:  # packed sequences: causal within each segment
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        keep = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, T, T)
+        return additive_mask(keep[:, None], dtype)  # (B, 1, T, T)
+    if attn_mask is None and (start == 0 or T == 1):
+        return None
+    q_slot = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1)
+    k_slot = torch.arange(start + T, device=device)  # (S,)
+    keep = k_slot <= q_slot  # (T, S) causal over slots
+    if attn_mask is not None:
+        keep = keep & attn_mask[:, None, None, : start + T]  # (B, 1, T, S)
+    keep = keep | (k_slot == q_slot)  # a padding query sees itself: no all-masked row, no NaN
+    return additive_mask(keep, dtype)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -571,7 +379,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         for name, p in self.named_parameters():  # HF's init: N(0, 0.02) matrices, zero biases, unit norms
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
@@ -583,17 +391,15 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, tokens, cache=None, input_pos=None, attn_mask=None, targets=None, temperature=1.0,
-                last_only=False, target_pos=None, segments=None, prefix=None):
+                last_only=False, target_pos=None, segments=None):
         """tokens (B, T) long. input_pos (B, T): RoPE positions, default start..start+T-1 where start is the
         number of cache slots already filled. attn_mask (B, S) bool, True = real token: a key mask over token
         positions, or over cache slots when a cache is passed; combined with causal attention.
         targets (B, T): the token following each position -> (logp, entropy), each (B, T), computed in chunks;
         with target_pos (any shape) long, flat indices into the B * T positions, only at those -> target_pos's
-        shape each (the lm_head runs on them alone). segments (B, T) long, no cache: several sequences packed in
-        a row, each position attending causally within its own segment (give input_pos restarting at 0 for each);
-        prefix (B, T) long, with segments: the segment each position also attends to, a prompt that several packed
-        sequences share (its own segment where none); then a segment's id must be the flat index (row * T + column)
-        of its first position (packed_attention: attention segment by segment, so rows may be of any width).
+        shape each (the lm_head runs on them alone). segments, no cache: several sequences packed in a row, each
+        position attending causally within its own segment (give input_pos restarting at 0 for each): (B, T) long
+        segment ids, or an object that attends itself, segment by segment (packing.packed_attention's).
         Otherwise -> logits (B, T, V) fp32, or (B, 1, V) for the last position if last_only."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -605,22 +411,7 @@ class Transformer(nn.Module):
             input_pos = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)  # (B, T, 1, D) each
-        mask = None  # plain causal attention (or none at all for a single query)
-        if prefix is not None:  # shared prompts: attention segment by segment, not over the (wide) rows
-            mask = packed_attention(segments, prefix, x.dtype)
-        elif segments is not None:  # packed sequences: causal within each segment
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            keep = (segments[:, :, None] == segments[:, None, :]) & causal  # (B, T, T)
-            mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)[:, None]  # (B, 1, T, T)
-        elif attn_mask is not None or (start > 0 and T > 1):
-            q_slot = torch.arange(start, start + T, device=tokens.device).unsqueeze(1)  # (T, 1)
-            k_slot = torch.arange(start + T, device=tokens.device)  # (S,)
-            keep = k_slot <= q_slot  # (T, S) causal over slots
-            if attn_mask is not None:
-                keep = keep & attn_mask[:, None, None, : start + T]  # (B, 1, T, S)
-            keep = keep | (k_slot == q_slot)  # a padding query sees itself: no all-masked row, no NaN
-            # additive float mask, made once for all layers: SDPA on CPU converts a bool one per call, slowly
-            mask = torch.where(keep, 0.0, float("-inf")).to(x.dtype)
+        mask = attention_mask(T, start, attn_mask, segments, x.dtype, tokens.device)  # once for all layers
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:

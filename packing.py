@@ -7,11 +7,16 @@
   micro_batch     one micro-batch -> model.forward's input: padded rows, or (--pack) its sequences packed into rows,
                   each attending to itself, and (--share_prompt) a group's prompt held once
   pack_rows       first-fit decreasing: sequences -> rows of at most `width` tokens
+  packed_attention  a row of packed sequences sharing prompts -> Packed, the attention segment by segment
 """
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from common import all_reduce_named
+from model import additive_mask
 
 
 def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[int], pad_id: int):
@@ -67,11 +72,11 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     sequences packed into as few rows of W tokens as fit (pack_rows), each attending only to
     itself (segments), its RoPE positions restarting at 0. share (with pack): the rows of one prompt
     hold it once: its tokens but the last as a segment of their own, then each row's last prompt
-    token and completion attending to it and to itself (prefix), all in one row (attention runs
-    segment by segment: packed_attention), where that packs fewer tokens. -> model.forward's
-    keyword arguments: tokens (R, W'), targets (R, W'), target_pos (n, Tc) flat indices of the
-    completion tokens' predictions (padding clamped to the sequence's last), and input_pos, segments
-    (and prefix) (R, W') if packed."""
+    token and completion attending to it and to itself, all in one row (attention runs segment by
+    segment: packed_attention), where that packs fewer tokens. -> model.forward's keyword arguments:
+    tokens (R, W'), targets (R, W'), target_pos (n, Tc) flat indices of the completion tokens'
+    predictions (padding clamped to the sequence's last), and input_pos, segments (R, W') if packed
+    (segments a Packed where prompts are shared)."""
     device, n = inputs.device, len(rows)
     W = max(seq_len[i] for i in rows)  # (rows twice as wide packed tighter, but were slower on CPU)
     ix = torch.tensor(rows, device=device)
@@ -80,7 +85,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
     units = [[(j, 0)] for j in range(n)]
     width = lambda u: u[0][1] + sum(seq_len[rows[j]] - s for j, s in u)  # a unit's tokens
     bins = pack_rows([seq_len[i] for i in rows], W) if pack else []
-    one_row = False  # all units in one row: attention segment by segment (prefix), whatever is shared
+    one_row = False  # all units in one row: attention segment by segment, whatever is shared
     if pack and share:
         shared = _shared_prompt_units(prompt_of, rows)
         if sum(map(width, shared)) < len(bins) * W:  # fewer tokens than packed whole: one row of them all
@@ -100,7 +105,7 @@ def micro_batch(inputs, targets, pos, prompt_of, rows: list[int], seq_len: list[
            "input_pos": torch.tensor(at, device=device).view(-1, Wr),
            "segments": torch.tensor(seg, device=device).view(-1, Wr)}
     if one_row:  # (a dense mask over one row of them all would grow with its square)
-        out["prefix"] = torch.tensor(pre, device=device).view(-1, Wr)
+        out["segments"] = packed_attention(out["segments"], torch.tensor(pre, device=device).view(-1, Wr))
     return out
 
 
@@ -157,3 +162,61 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
         rows[r].append(i)
         used[r] += lengths[i]
     return rows
+
+
+class Packed(NamedTuple):
+    """packed_attention's index maps, and the attention over them (model.forward's segments= takes it)."""
+
+    own: torch.Tensor  # (n, L) flat positions of the segments without a prompt (padding: the last), causal
+    shared: tuple | None  # segments with one: (q (m, Lq), k (m, Lk) the prompt's then their own, bias (m, 1, Lq, Lk))
+    inv: torch.Tensor  # (B T,) each position's index in the two's outputs, (n L + m Lq); 0 for padding
+
+    def attend(self, q, k, v):
+        """q (B, T, H, D), k, v (B, T, Hkv, D) -> (B T, H, D): attention segment by segment, each an SDPA batch
+        entry padded to its batch's longest."""
+        B, T, _, D = q.shape
+        seg = lambda x, at: x.reshape(B * T, -1, D).index_select(0, at.flatten()).unflatten(
+            0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
+        ys = [F.scaled_dot_product_attention(seg(q, self.own), seg(k, self.own), seg(v, self.own), is_causal=True,
+                                             enable_gqa=True)]
+        if self.shared is not None:
+            at, keys, bias = self.shared
+            ys.append(F.scaled_dot_product_attention(seg(q, at), seg(k, keys), seg(v, keys), attn_mask=bias.to(q.dtype),
+                                                     enable_gqa=True))  # (m, H, Lq, D)
+        return torch.cat([y.transpose(1, 2).flatten(0, 1) for y in ys]).index_select(0, self.inv)  # (B T, H, D)
+
+
+def packed_attention(segments, prompt_segments) -> Packed:
+    """Attention over packed rows segment by segment instead of over whole rows (whose masked pairs grow with the
+    square of the width), each segment an SDPA batch entry: segments without a prompt (the prompts themselves,
+    sequences alone) causal within themselves; segments with one, their queries against its keys, then their own.
+    Two batches, so a long prompt does not pad its short continuations. segments (B, T) long as model.forward's,
+    a segment's id the flat index (row * T + column) of its first position, its positions contiguous, -1: padding;
+    prompt_segments (B, T) long: the segment each position also attends to, a prompt that several packed sequences
+    share (its own segment where none)."""
+    seg, pre = segments.flatten(), prompt_segments.flatten()  # (B T,)
+    device, real = seg.device, seg >= 0
+    starts, lens = torch.unique(seg[real], return_counts=True)  # (S,) each, in flat order
+    length = torch.zeros_like(seg).index_put_((starts,), lens)  # (B T,) each segment's length at its id
+    p0 = pre[starts]  # (S,) each segment's prompt: itself where it has none
+    pl = torch.where(p0 == starts, 0, length[p0])  # (S,) its prompt's length
+    has = pl > 0
+    n, L, Lq, Lk = torch.stack([(~has).sum(), torch.where(has, 0, lens).max(), torch.where(has, lens, 0).max(),
+                                torch.where(has, lens + pl, 0).max()]).tolist()  # one host sync
+    last = starts + lens - 1  # (S,)
+    i, j = torch.arange(max(L, Lq), device=device), torch.arange(Lk, device=device)
+    a, b = (~has).nonzero()[:, 0], has.nonzero()[:, 0]  # (n,), (m,) which segments
+    own = torch.minimum(starts[a, None] + i[:L], last[a, None])  # (n, L)
+    shared = None
+    if len(b):
+        col = j - pl[b, None]  # (m, Lk) key j's column in its segment; < 0: in the prompt
+        k = torch.where(col < 0, p0[b, None] + j, torch.minimum(starts[b, None] + col, last[b, None]))  # (m, Lk)
+        keep = (col[:, None, :] < 0) | (col[:, None, :] <= i[:Lq, None])  # (m, Lq, Lk): the prompt, then causal
+        bias = additive_mask(keep[:, None], torch.float32)  # (the attention's dtype when it runs)
+        shared = (torch.minimum(starts[b, None] + i[:Lq], last[b, None]), k, bias)
+    # each segment's first output row: its group's block, then its place in the group
+    rank = torch.empty_like(starts)
+    rank[a], rank[b] = torch.arange(len(a), device=device) * L, n * L + torch.arange(len(b), device=device) * Lq
+    flat = torch.arange(len(seg), device=device)
+    u = (torch.searchsorted(starts, flat, right=True) - 1).clamp(min=0)  # (B T,) each position's segment
+    return Packed(own, shared, torch.where(real, rank[u] + flat - starts[u], 0))

@@ -105,6 +105,7 @@ def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
     cache = out / "start.json"
     if cache.exists() and json.loads(cache.read_text())["init"] == init:
         return json.loads(cache.read_text())["pass@1"]
+    import fast
     from data import load_task, parse_knobs
     from eval import evaluate
     from grpo import GRPOConfig
@@ -113,7 +114,7 @@ def start_pass1(init: str, run_flags: list[str], out: Path) -> float:
     cfg = parse_config(GRPOConfig, run_flags)
     knobs = parse_knobs(cfg.task_knobs)
     rows = load_task(cfg.task, cfg.eval_split, path=cfg.data_path, seed=cfg.data_seed, **knobs)
-    summary, _ = evaluate(load_model(init), load_tokenizer(init), rows, template=cfg.template,
+    summary, _ = evaluate(fast.use_onednn(load_model(init)), load_tokenizer(init), rows, template=cfg.template,
                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)  # fmt: skip
     cache.write_text(json.dumps({"init": init, "pass@1": summary["pass@1"]}))
     return summary["pass@1"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fast  # noqa: E402
 import model as M  # noqa: E402
 from data import parse_knobs  # noqa: E402
 from lora import add_lora, lora_layers  # noqa: E402
@@ -50,7 +51,7 @@ def main():
     torch.set_flush_denormal(True)  # as the training scripts do
     torch.manual_seed(0)
     model = M.Transformer(M.preset_config(args.preset, 100, **parse_knobs(args.overrides))).eval()
-    add_lora(model, args.rank, 2.0 * args.rank)
+    fast.use_onednn(add_lora(model, args.rank, 2.0 * args.rank))  # as grpo.py runs it
     prompts = [list(range(1, 20 + i)) for i in range(args.prompts)]
     plain = lambda: generate(model, prompts, args.new_tokens, num_samples=args.group, eos_ids=[], temperature=1.0,
                              generator=torch.Generator().manual_seed(0))

@@ -5,9 +5,9 @@ scripts/gpu_check.sh; --tiny runs the same checks at toy shapes on the CPU (a de
   (b) sampler: tok/s of sampler.generate (bf16 autocast, as grpo.py samples) vs transformers' generate (bf16
       weights) vs the bandwidth bound: bytes of bf16 weights + KV cache read per decode step / --hbm_gbs
   (b2) decode modes at GRPO's shape (8 prompts x G=8): tok/s of generate's growing forward (G copies of each
-      prompt's cache, or shared_prompt: one), the static step, compiled, as a CUDA graph, and in fp32 the growing
-      forward and sampler.fused_step; tokens equal to the growing forward's (the fraction: bf16 rounding differs
-      between modes), to choose sampler.DEFAULTS["cuda"]
+      prompt's cache, fast="off", or fast="shared": one), compiled, and in fp32 the growing forward and
+      fast.fused_step; tokens equal to the growing forward's (the fraction: bf16 rounding differs between
+      modes), to choose sampler.DEFAULTS["cuda"]
   (c) training: SFT and GRPO steps of the 1.5B shape (8 prompts x G=8, 256 new tokens), plain and --dist fsdp on 1
       rank: s/step (generate / train) and peak memory, from each run's metrics.jsonl
   (d) everything in one JSON file (--out) and a printed table
@@ -166,21 +166,17 @@ def bench_decode_modes(name, path, device, tiny) -> list[dict]:
     model = load_model(path, device=device)
     P, G, L, new = (2, 2, 8, 8) if tiny else (8, 8, 64, 128)
     prompts = torch.randint(3, model.config.vocab_size, (P, L), generator=torch.Generator().manual_seed(1)).tolist()
-    modes = {"growing": dict(static=False, shared_prompt=False, fused=False), "static": dict(static=True),
-             "shared_prompt": dict(static=False, shared_prompt=True, fused=False)}
+    modes = {"growing": "off", "shared_prompt": "shared"}  # generate's fast=
     if not tiny:  # (compiling on the CPU takes a minute: not in the test's toy run)
-        modes["compile"] = dict(compile=True)
-    if device.type == "cuda":
-        modes |= {"cuda_graph": dict(cuda_graph=True), "compile+cuda_graph": dict(compile=True, cuda_graph=True)}
-    # sampler.fused_step runs on fp32 weights without autocast: the growing forward and it, both in fp32 (their
+        modes["compile"] = "compile"
+    # fast.fused_step runs on fp32 weights without autocast: the growing forward and it, both in fp32 (their
     # tokens against the fp32 forward's, their speed against the bf16 growing forward's)
-    modes |= {"growing fp32": dict(static=False, shared_prompt=False, fused=False),
-              "fused fp32": dict(static=False, shared_prompt=False, fused=True)}
+    modes |= {"growing fp32": "off", "fused fp32": "fused"}
 
     def run(mode_name, mode):
         with common.autocast(model, "float32" if mode_name.endswith("fp32") else "bfloat16"):
             return generate(model, prompts, new, num_samples=G, temperature=1.0, eos_ids=(),
-                            generator=torch.Generator(device=device).manual_seed(0), **mode)
+                            generator=torch.Generator(device=device).manual_seed(0), fast=mode)
 
     rows, ref = [], {}
     for mode_name, mode in modes.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU acceptance run (#13): logits vs transformers, sampler tok/s vs transformers and the bandwidth bound, the
-# decode modes (growing, shared prompt, static, compiled, CUDA graph) at GRPO's shape, SFT and GRPO steps of the
+# decode modes (growing, shared prompt, compiled, fused) at GRPO's shape, SFT and GRPO steps of the
 # Qwen2.5-1.5B shape, plain and FSDP2 on one rank; one JSON file and a table. Prepared to finish in ~10 minutes on
 # one H200 (not yet run on one). `scripts/gpu_check.sh --tiny` runs the same on the CPU at toy shapes (a test does).
 #   scripts/gpu_check.sh [--out gpu_check.json] [--hbm_gbs 4800] [--only logits,sampler,decode,train]

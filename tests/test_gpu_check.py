@@ -27,7 +27,7 @@ def test_gpu_check_tiny(tmp_path):
     sampler = [x for x in rows if x["check"] == "sampler"]
     assert len(sampler) == 4 and all(x["ours_tok_s"] > 0 and x["hf_tok_s"] > 0 for x in sampler)
     decode = {x["mode"]: x for x in rows if x["check"] == "decode"}
-    assert set(decode) == {"growing", "shared_prompt", "static", "growing fp32", "fused fp32"}
+    assert set(decode) == {"growing", "shared_prompt", "growing fp32", "fused fp32"}
     assert all(x["tok_s"] > 0 for x in decode.values()) and all(0 <= x["tokens_equal"] <= 1 for x in decode.values())
     assert decode["growing"]["tokens_equal"] == decode["growing fp32"]["tokens_equal"] == 1
     assert decode["fused fp32"]["tokens_equal"] == 1  # the fused step: the fp32 forward's tokens

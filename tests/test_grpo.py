@@ -207,9 +207,9 @@ def test_rollout_draws_the_same_samples_for_any_split(tiny_dir):
 
 
 def test_compile_flag_decodes_the_same_rollouts(tiny_dir):
-    """--compile: the rollouts decode through torch.compile (the sampler's fused step compiled) and draw the eager
+    """--compile: the rollouts decode through torch.compile (fast.fused_step compiled) and draw the eager
     default's tokens, log-probs to float rounding."""
-    import sampler
+    import fast
 
     model, tok, cfg, prompts = _tiny_rollout(tiny_dir, gen_batch=8)
     eos, pad = [tok.eos_token_id], tok.pad_token_id or 0
@@ -217,7 +217,7 @@ def test_compile_flag_decodes_the_same_rollouts(tiny_dir):
     torch._dynamo.reset()
     cfg.compile = True
     compiled = grpo.rollout(model, prompts, 0, 3, cfg, eos, pad, "cpu")
-    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(sampler.fused_step)  # it compiled the step
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(fast.fused_step)  # it compiled the step
     assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.mask, eager.mask)
     assert (compiled.logprobs - eager.logprobs).abs().max() <= 1e-5
     assert len(set(map(tuple, eager.tokens.tolist()))) > 2  # real sampling, not a constant

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint
 import eval as eval_script
+import fast
 import grpo
-import model as M
 import sft
 from hf import load_model, save_model
 from lora import (
@@ -159,8 +159,8 @@ def test_merged_export_matches_adapted_model_and_transformers(base_dir, tmp_path
     from transformers import AutoModelForCausalLM
 
     # one kernel for both sides (aten's), so 1e-5 measures the merge, not oneDNN's vs MKL's rounding
-    # (model.linear's own test checks oneDNN against a float64 reference)
-    monkeypatch.setattr(M, "ONEDNN", False)
+    # (fast.linear's own test checks oneDNN against a float64 reference)
+    monkeypatch.setattr(fast, "ONEDNN", False)
 
     model = lora_model(base_dir)
     save_model(model, tmp_path / "merged")

@@ -215,13 +215,13 @@ def test_grpo_update_token_budget_same_grads_as_one_batch(tmp_path, grouped):
         # [17], [12], [10, 6], [9]
         assert packing.micro_batch(*batch, trained, seq_len, True)["tokens"].shape == (4, 17)
         # --share_prompt with no prompt shared: still one row of them all (54 < 4 x 17 tokens), attended segment by
-        # segment (prefix: model.packed_attention), not through a dense mask over the whole row
+        # segment (packing.packed_attention), not through a dense mask over the whole row
         mb = packing.micro_batch(*batch, trained, seq_len, True, share=True)
-        assert mb["tokens"].shape == (1, 54) and "prefix" in mb
+        assert mb["tokens"].shape == (1, 54) and isinstance(mb["segments"], packing.Packed)
     else:  # seq_len 10, 5, 15, 15, (11), 19, 3, 4; shared, all in one row: [3 + 7 + 2 + 12 = 24, 10 + 5 + 9 = 24,
         # 3, 4] (the single-token prompt shares nothing)
         mb = packing.micro_batch(*batch, trained, seq_len, True, share=True)
-        assert mb["tokens"].shape == (1, 55) and "prefix" in mb
+        assert mb["tokens"].shape == (1, 55) and isinstance(mb["segments"], packing.Packed)
     grads = []
     # one batch, padded or packed (--pack: sequences share rows; --share_prompt: a group's rows their prompt);
     # token budgets (and a row cap) splitting it

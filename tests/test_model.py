@@ -1,5 +1,6 @@
 """model.py against Hugging Face's own Llama/Qwen2 implementations, on tiny random checkpoints."""
 
+import copy
 import json
 import os
 import string
@@ -19,9 +20,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import fast
 import model as M
 from hf import char_tokenizer, load_model, load_tokenizer, save_model
 from model import ModelConfig, Transformer, preset_config
+from packing import packed_attention
 
 SIZES = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=128)
@@ -111,7 +114,7 @@ def test_padded_rows_and_positions_match_unpadded(tmp_path):
 
 
 def test_shared_prompt_rows_match_each_sequence_alone(tmp_path):
-    """Packed rows with a shared prompt (segments + prefix: model.packed_attention, attention segment by segment)
+    """Packed rows with a shared prompt (segments=packing.packed_attention(...): attention segment by segment)
     against HF's forward of each whole sequence alone: a prompt held once with three continuations, one of them in
     the other row, and a sequence of its own. GQA with q/k/v biases."""
     hf = hf_model("qwen2-gqa-untied-bias")
@@ -126,7 +129,7 @@ def test_shared_prompt_rows_match_each_sequence_alone(tmp_path):
     pos = [[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 0, 0], [0, 1, 2, 3, 4, 5, 6, 4, 5, 6] + [0] * 6]
     T = lambda x: torch.tensor(x)
     with torch.no_grad():
-        out = ours(T([row0, row1]), input_pos=T(pos), segments=T(seg), prefix=T(pre))  # (2, 16, V)
+        out = ours(T([row0, row1]), input_pos=T(pos), segments=packed_attention(T(seg), T(pre)))  # (2, 16, V)
         alone = lambda x: hf(T([x])).logits[0]
         want = [(out[0, :8], alone(prompt + a)), (out[0, 8:14], alone(prompt + b)[4:]), (out[1, :7], alone(c)),
                 (out[1, 7:10], alone(prompt + d)[4:])]
@@ -278,17 +281,17 @@ _TOK = char_tokenizer()
                                                 ((2, 90, 480), True, "x"), ((50, 480), False, "w"),
                                                 ((1, 2, 48), False, "xw")])  # the last below ONEDNN_MIN_MACS
 def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
-    """model.linear (oneDNN on an x86 CPU, on whichever CPU this runs) against F.linear in float64: the output and
+    """fast.linear (oneDNN on an x86 CPU, on whichever CPU this runs) against F.linear in float64: the output and
     each gradient asked for (the frozen-weight case is LoRA's base, the frozen-input case a first layer's)."""
-    monkeypatch.setattr(M, "ONEDNN", M.ONEDNN_AVAILABLE)
+    monkeypatch.setattr(fast, "ONEDNN", fast.ONEDNN_AVAILABLE)
     g = torch.Generator().manual_seed(len(shape) + shape[-2])
     x = torch.randn(*shape, generator=g).requires_grad_("x" in needs)
     w = (torch.randn(96, shape[-1], generator=g) * 0.05).requires_grad_("w" in needs)
     b = torch.randn(96, generator=g).requires_grad_("b" in needs) if bias else None
     leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
-    y = M.linear(x, w, b)
+    y = fast.linear(x, w, b)
     rows = x.numel() // shape[-1]
-    if M.ONEDNN and x.numel() * len(w) >= M.ONEDNN_MIN_MACS:  # the oneDNN path is the one under test here
+    if fast.ONEDNN and x.numel() * len(w) >= fast.ONEDNN_MIN_MACS:  # the oneDNN path is the one under test here
         assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
     gy = torch.randn(y.shape, generator=g)
     got = torch.autograd.grad(y, leaves, gy)
@@ -298,13 +301,41 @@ def test_linear_matches_fp64_reference(shape, bias, needs, monkeypatch):
     for a, r in zip(got, want):
         assert a.dtype == torch.float32 and a.shape == r.shape and (a - r).abs().max() < 1e-4 * max(1, rows / 10)
     with torch.no_grad():
-        assert (M.linear(x, w, b) - ref).abs().max() < 1e-5  # the no-grad call (decode, eval)
-        packed = M.onednn_packed(w.detach(), rows)  # the sampler's weights in oneDNN's own layout
-        assert (packed is not None) == (M.ONEDNN and x.numel() * len(w) >= M.ONEDNN_MIN_MACS)
+        assert (fast.linear(x, w, b) - ref).abs().max() < 1e-5  # the no-grad call (decode, eval)
+        packed = fast.onednn_packed(w.detach(), rows)  # the sampler's weights in oneDNN's own layout
+        assert (packed is not None) == (fast.ONEDNN and x.numel() * len(w) >= fast.ONEDNN_MIN_MACS)
         if packed is not None:  # the same kernel without its per-call reorder of w: the same bits
-            assert torch.equal(M.linear(x, w, b, packed), M.linear(x, w, b))
+            assert torch.equal(fast.linear(x, w, b, packed), fast.linear(x, w, b))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its bf16 matmul
-        assert M.linear(x, w, b).dtype == torch.bfloat16
+        assert fast.linear(x, w, b).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not fast.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
+def test_use_onednn_swaps_every_projection(monkeypatch):
+    """fast.use_onednn(model): every nn.Linear (LoRA's A and B too) and a LoRA layer's base product run through
+    fast.linear, in place, the parameters, names and the tied embedding kept; the logits and gradients those of
+    the plain model (aten's kernel) to fp32 rounding."""
+    from lora import add_lora
+
+    monkeypatch.setattr(fast, "ONEDNN", True)
+    monkeypatch.setattr(fast, "ONEDNN_MIN_MACS", 0)  # every product, however small
+    torch.manual_seed(0)
+    plain = add_lora(Transformer(preset_config("demo", 40)), 4, 8.0, targets=("q_proj", "v_proj"))
+    model = fast.use_onednn(copy.deepcopy(plain))
+    assert model.lm_head.weight is model.embed_tokens.weight and model.state_dict().keys() == plain.state_dict().keys()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is fast.OneDNNLinear for m in linears)
+    assert model.layers[0].self_attn.q_proj.linear is fast.linear and model.layers[0].self_attn.k_proj in linears
+    x = torch.randint(0, 40, (3, 17), generator=torch.Generator().manual_seed(1))
+    (a, _), (b, _) = (m(x, targets=x.roll(-1, 1)) for m in (model, plain))
+    assert (a - b).abs().max() <= 1e-5
+    ga = torch.autograd.grad(a.sum(), [p for p in model.parameters() if p.requires_grad])
+    gb = torch.autograd.grad(b.sum(), [p for p in plain.parameters() if p.requires_grad])
+    assert all((u - v).abs().max() <= 1e-5 for u, v in zip(ga, gb))
+    calls = []
+    monkeypatch.setattr(fast, "_onednn", lambda *args: calls.append(1) or F.linear(*args))
+    model(x)
+    assert len(calls) == 1 + 2 * (7 + 2 * 2)  # lm_head; per layer 7 projections, LoRA's A and B on 2 of them
 
 
 @pytest.mark.parametrize("order", ["ascending", "sampler", "shuffled"])
@@ -340,15 +371,15 @@ def test_keep_rows_in_place_equals_a_gather(order):
 def test_cpu_vendor_reads_cpuinfo(monkeypatch):
     amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 167\n"
-    assert M.cpu_vendor(amd) == "AuthenticAMD" and M.cpu_vendor(intel) == "GenuineIntel"
+    assert fast.cpu_vendor(amd) == "AuthenticAMD" and fast.cpu_vendor(intel) == "GenuineIntel"
     # without /proc/cpuinfo's line, platform.processor() decides (Windows names the vendor; macOS says "i386")
-    monkeypatch.setattr(M.platform, "processor", lambda: "AMD64 Family 25 Model 1 Stepping 1, AuthenticAMD")
-    assert M.cpu_vendor("") == "AuthenticAMD"
-    monkeypatch.setattr(M.platform, "processor", lambda: "i386")
-    assert M.cpu_vendor("") == ""
+    monkeypatch.setattr(fast.platform, "processor", lambda: "AMD64 Family 25 Model 1 Stepping 1, AuthenticAMD")
+    assert fast.cpu_vendor("") == "AuthenticAMD"
+    monkeypatch.setattr(fast.platform, "processor", lambda: "i386")
+    assert fast.cpu_vendor("") == ""
 
 
-@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
+@pytest.mark.skipif(not fast.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
 def test_onednn_only_where_the_cpu_runs_avx512():
     """Where the CPU's kernels stop at AVX2 (here forced, as on most laptops) aten keeps the projections (oneDNN
     is no faster there: docs/speed.md), and so on an Intel CPU (MKL is the faster one there); by default oneDNN runs
@@ -357,7 +388,7 @@ def test_onednn_only_where_the_cpu_runs_avx512():
     import sys
 
     def onednn(**env):
-        code = "import model, torch; print(model.ONEDNN, torch.backends.cpu.get_cpu_capability())"
+        code = "import fast, torch; print(fast.ONEDNN, torch.backends.cpu.get_cpu_capability())"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              cwd=Path(M.__file__).parent,
                              env={k: v for k, v in {**os.environ, **env}.items() if v is not None}).stdout.split()
@@ -370,6 +401,6 @@ def test_onednn_only_where_the_cpu_runs_avx512():
     amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
     if amd is not None:  # this machine's default: on only for an AMD CPU with AVX-512
         assert on == (amd and cap.startswith("AVX512")), (on, cap, amd)
-    bad = subprocess.run([sys.executable, "-c", "import model"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-c", "import fast"], capture_output=True, text=True,
                          cwd=Path(M.__file__).parent, env={**os.environ, "MINIGRPO_ONEDNN": "yes"})
     assert bad.returncode != 0 and "MINIGRPO_ONEDNN='yes': use 1" in bad.stderr

@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import model as M
-import sampler
+import fast
 from hf import save_model
 from model import ModelConfig, Transformer
 from sampler import generate, sample
@@ -144,7 +143,8 @@ def test_bad_arguments():
     for kwargs, msg in [(dict(prompts=[]), "non-empty"), (dict(prompts=[[1], []]), "non-empty"),
                         (dict(prompts=[[1, V]]), r"\[0, 53\)"), (dict(eos_ids=[-1]), r"\[0, 53\)"),
                         (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(top_p=0.0), "top_p=0.0"),
-                        (dict(temperature=-1), "temperature=-1"), (dict(num_samples=0), "num_samples=0")]:
+                        (dict(temperature=-1), "temperature=-1"), (dict(num_samples=0), "num_samples=0"),
+                        (dict(fast="static"), "fast='static': use one of")]:
         with pytest.raises(ValueError, match=msg):
             generate(model, **{"prompts": [[1, 2]], "max_new_tokens": 4} | kwargs)
 
@@ -204,16 +204,16 @@ def test_generate_under_ddp_and_fsdp2(tmp_path):
 
 
 def decode_modes(model, eos, temperature):
-    """The same sampling call in each decode mode: the growing-slices forward, the fused step, the static step,
-    the fused step compiled (its shapes grow and rows leave), the static step compiled."""
-    run = lambda **mode: generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature,
-                                  generator=torch.Generator().manual_seed(0), **mode)
-    return (run(static=False, fused=False), run(fused=True), run(static=True), run(compile=True),
-            run(static=True, compile=True))
+    """The same sampling call in each decode mode: the model's forward over per-row copies of the prompt slots
+    (fast="off"), the fused step on those copies, with the shared prompt slots, and compiled (its shapes grow and
+    rows leave)."""
+    run = lambda mode: generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature,
+                                generator=torch.Generator().manual_seed(0), fast=mode)
+    return [run(mode) for mode in ("off", "fused", "shared+fused", "compile")]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fused_static_and_compiled_steps_equal_the_eager_forward(temperature):
+def test_fused_and_compiled_steps_equal_the_eager_forward(temperature):
     model = tiny_model(1)
     gen = lambda: torch.Generator().manual_seed(0)
     free = generate(model, PROMPTS, 9, num_samples=3, temperature=temperature, generator=gen()).tokens
@@ -225,61 +225,60 @@ def test_fused_static_and_compiled_steps_equal_the_eager_forward(temperature):
         assert torch.equal(other.tokens, eager.tokens) and torch.equal(other.mask, eager.mask)
         assert (other.logprobs - eager.logprobs).abs().max() <= 1e-5
     again = generate(model, PROMPTS, 9, num_samples=3, eos_ids=eos, temperature=temperature, generator=gen(),
-                     compile=True)  # the compiled step, reused: the same result
+                     fast="compile")  # the compiled step, reused: the same result
     assert torch.equal(again.tokens, eager.tokens)
 
 
 def test_compiled_fused_step_compiles_once_for_all_shapes():
-    # compile=True on the CPU: fused_step through torch.compile, its rows, slots and step symbolic from the first
+    # fast="compile": fast.fused_step through torch.compile, its rows, slots and step symbolic from the first
     # call: one graph serves every step, row count (rows leave) and cache length
     from torch._dynamo.utils import counters
     model = tiny_model(2)
     graphs = lambda: counters["stats"]["unique_graphs"]
-    run = lambda prompts, n, G, **kw: generate(model, prompts, n, num_samples=G, eos_ids=[7, 9],
-                                               generator=torch.Generator().manual_seed(1), **kw)
+    run = lambda prompts, n, G, mode: generate(model, prompts, n, num_samples=G, eos_ids=[7, 9],
+                                               generator=torch.Generator().manual_seed(1), fast=mode)
     torch._dynamo.reset()  # this test's compiles only
     start = graphs()
-    run(PROMPTS, 9, 3, compile=True), run(PROMPTS[:2], 12, 4, compile=True)  # (rows stop at different steps)
+    run(PROMPTS, 9, 3, "compile"), run(PROMPTS[:2], 12, 4, "compile")  # (rows stop at different steps)
     before = graphs()
     # one graph (each size that changes marked dynamic; without, 2-3 graphs, and past dynamo's recompile limit, 8,
-    # it runs the step eagerly, one logged warning); and it is fused_step's (decode_step compiled would give the
-    # same tokens in as few graphs)
+    # it runs the step eagerly, one logged warning); and it is fused_step's
     assert before - start == 1
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
-    assert len(entries(sampler.fused_step)) == before - start and not entries(sampler.decode_step)
+    assert len(entries(fast.fused_step)) == before - start
     for prompts, n, G in ((PROMPTS[1:], 7, 5), (PROMPTS * 2, 15, 2), ([[3] * 20], 6, 6)):
-        out, want = run(prompts, n, G, compile=True), run(prompts, n, G, fused=True)
+        out, want = run(prompts, n, G, "compile"), run(prompts, n, G, "shared+fused")
         assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
         assert want.mask.sum(1).min() < n and want.mask.sum(1).max() > 1  # rows left the batch at some step
     assert graphs() == before  # no compile after the first calls
-    one = run([[3] * 5], 6, 1, compile=True)  # one row: Dynamo specializes a size of 1, so a graph of its own
-    assert torch.equal(one.tokens, run([[3] * 5], 6, 1, fused=True).tokens) and graphs() == before + 1
+    one = run([[3] * 5], 6, 1, "compile")  # one row: Dynamo specializes a size of 1, so a graph of its own
+    assert torch.equal(one.tokens, run([[3] * 5], 6, 1, "shared+fused").tokens) and graphs() == before + 1
     # a process that compiles afresh at this call (a resumed run) decodes bitwise what the warmed-up one did
     torch._dynamo.reset()
-    again = run(prompts, n, G, compile=True)
+    again = run(prompts, n, G, "compile")
     assert torch.equal(again.tokens, out.tokens) and torch.equal(again.logprobs, out.logprobs)
 
 
-@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="needs oneDNN's fp32 linear (an x86 CPU build of torch)")
+@pytest.mark.skipif(not fast.ONEDNN_AVAILABLE, reason="needs oneDNN's fp32 linear (an x86 CPU build of torch)")
 def test_compiled_step_runs_onednn_products_on_packed_weights(monkeypatch):
     # where oneDNN runs the projections, the compiled step keeps the products of its large weights oneDNN's (one
     # opaque op each) on copies packed once per call, not inductor's GEMMs; which ones, by the weight's size alone
     # (a rule on rows x size would compile again when the row count changes, and never pack these small weights)
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(M, "ONEDNN", True)
-    monkeypatch.setattr(sampler, "COMPILED_ONEDNN_MIN_WEIGHT", 2000)  # q/k/v (64 x 32) and gate/up (96 x 32) only
-    decode_calls, onednn = [], M._onednn
-    monkeypatch.setattr(M, "_onednn", lambda x, w, b=None: decode_calls.append(x.dim() == 2) or onednn(x, w, b))
-    model = tiny_model(3)
-    run = lambda G, **kw: generate(model, PROMPTS, 8, num_samples=G, eos_ids=[7], temperature=1.0,
-                                   generator=torch.Generator().manual_seed(0), **kw)
+    monkeypatch.setattr(fast, "ONEDNN", True)
+    monkeypatch.setattr(fast, "COMPILED_ONEDNN_MIN_WEIGHT", 2000)  # q/k/v (64 x 32) and gate/up (96 x 32) only
+    decode_calls, onednn = [], fast._onednn
+    monkeypatch.setattr(fast, "_onednn", lambda x, w, b=None: decode_calls.append(x.dim() == 2) or onednn(x, w, b))
+    model = fast.use_onednn(tiny_model(3))
+    run = lambda G, mode: generate(model, PROMPTS, 8, num_samples=G, eos_ids=[7], temperature=1.0,
+                                   generator=torch.Generator().manual_seed(0), fast=mode)
     torch._dynamo.reset()
-    run(2, compile=True)  # compiles
+    run(2, "compile")  # compiles
     graphs = counters["stats"]["unique_graphs"]
     for G in (2, 3):
-        want = run(G, fused=True)
+        want = run(G, "shared+fused")
         decode_calls.clear()
-        out = run(G, compile=True)
+        out = run(G, "compile")
         assert torch.equal(out.tokens, want.tokens) and (out.logprobs - want.logprobs).abs().max() <= 1e-5
         steps = out.tokens.shape[1] - 1  # the first token comes from the prefill
         assert sum(decode_calls) == 2 * model.config.num_hidden_layers * steps > 0
@@ -287,14 +286,15 @@ def test_compiled_step_runs_onednn_products_on_packed_weights(monkeypatch):
 
 
 def test_compiled_decode_attention_equals_sdpa():
-    # traced, decode_attention's products are multiply-and-sums (inductor fuses each into one pass): against SDPA,
-    # with grouped queries, masked slots and a fully visible row
+    # traced, fast.decode_attention's products are multiply-and-sums (inductor fuses each into one pass): against
+    # SDPA, with grouped queries, masked slots and a fully visible row
     torch.manual_seed(0)
-    q, k, v = torch.randn(3, 2, 2, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)
+    q, k, v = torch.randn(3, 1, 4, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)  # 2 kv heads for 4
     mask = torch.zeros(3, 1, 1, 11).masked_fill_(torch.rand(3, 1, 1, 11) < 0.4, float("-inf"))
     mask[:, ..., 0] = 0.0  # every row sees a slot
     mask[2] = 0.0
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                                            enable_gqa=True).transpose(1, 2)  # (3, 1, 4, 8)
     traced = []  # the functions the traced graph calls: no matmul (the eager path's) in it
 
     def record(gm, inputs):
@@ -302,35 +302,21 @@ def test_compiled_decode_attention_equals_sdpa():
         return gm.forward
 
     torch._dynamo.reset()
-    assert (torch.compile(M.decode_attention, backend=record)(q, k, v, mask) - want).abs().max() <= 1e-5
+    assert (torch.compile(fast.decode_attention, backend=record)(q, k, v, mask) - want).abs().max() <= 1e-5
     assert traced and torch.matmul not in traced and torch.bmm not in traced
-    got = torch.compile(M.decode_attention, fullgraph=True)(q, k, v, mask)  # inductor's fused passes
-    assert (got - want).abs().max() <= 1e-5 and (M.decode_attention(q, k, v, mask) - want).abs().max() <= 1e-5
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_replays_equal_eager():
-    model = tiny_model(1).cuda()
-    gen = lambda: torch.Generator("cuda").manual_seed(0)
-    eager = generate(model, PROMPTS, 9, num_samples=3, eos_ids=[3], generator=gen(), static=False)
-    for kw in (dict(cuda_graph=True), dict(cuda_graph=True), dict(cuda_graph=True, compile=True)):  # 2nd: replay
-        out = generate(model, PROMPTS, 9, num_samples=3, eos_ids=[3], generator=gen(), **kw)
-        assert torch.equal(out.tokens, eager.tokens) and (out.logprobs - eager.logprobs).abs().max() <= 1e-4
-
-
-def test_cuda_graph_needs_cuda():
-    with pytest.raises(ValueError, match="cuda_graph=True needs"):
-        generate(tiny_model(), PROMPTS, 2, cuda_graph=True)
+    got = torch.compile(fast.decode_attention, fullgraph=True)(q, k, v, mask)  # inductor's fused passes
+    assert (got - want).abs().max() <= 1e-5 and (fast.decode_attention(q, k, v, mask) - want).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_shared_prompt_slots_equal_per_row_copies(temperature):
-    # shared_prompt (the CPU default for num_samples > 1): each prompt's cache slots held once for its G rows,
+    # fast="shared" (on the CPU by default for num_samples > 1): each prompt's cache slots held once for its G rows,
     # against G copies of them attended with SDPA (itself checked against uncached decoding and HF above); rows
     # stop at different steps and leave the batch, the prompts are ragged (left padding masked), 4 heads share 2
     model = tiny_model(1)
     run = lambda shared, eos=(): generate(model, PROMPTS * 2, 11, num_samples=4, temperature=temperature, eos_ids=eos,
-                                          generator=torch.Generator().manual_seed(0), shared_prompt=shared)
+                                          generator=torch.Generator().manual_seed(0),
+                                          fast="shared" if shared else "off")
     eos = [run(False).tokens[0, 2].item(), run(False).tokens[5, 0].item()]
     for stops in ((), eos):
         copies, shared = run(False, stops), run(True, stops)
@@ -346,13 +332,12 @@ def test_shared_prompt_slots_equal_per_row_copies(temperature):
         assert (shared.logprobs[i, :n] - want).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("mode", [dict(static=False, shared_prompt=False), dict(shared_prompt=True),
-                                  dict(static=True)])
+@pytest.mark.parametrize("mode", ["off", "shared", "auto"])
 def test_decode_modes_under_bf16_autocast(mode):
     # grpo.py --dtype bfloat16 samples under torch.autocast: fp32 weights, a bf16 cache, RoPE's tables fp32
     model = tiny_model(1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generate(model, PROMPTS, 9, num_samples=3, temperature=0, **mode)
+        out = generate(model, PROMPTS, 9, num_samples=3, temperature=0, fast=mode)
     want = generate(model, PROMPTS, 9, num_samples=3, temperature=0)  # fp32
     assert out.logprobs.isfinite().all() and (out.tokens == want.tokens).float().mean() >= 0.9
 
@@ -372,7 +357,7 @@ FUSED_CONFIGS = {  # the fused step against the model's forward on each kind of 
                                                                (4, True, 1.0, 0, 1.0), (4, False, 0.8, 5, 0.9),
                                                                (4, True, 0.0, 0, 1.0)])
 def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_p):
-    # sampler.fused_step (the CPU's default) against the model's own forward, itself checked against HF generate
+    # fast.fused_step (the CPU's default) against the model's own forward, itself checked against HF generate
     # and uncached decoding above: the same tokens, log-probs to float rounding (with MKL's AVX-512 kernels
     # bitwise the same where widths are multiples of 32; docs/speed.md); ragged prompts, rows stopping at different
     # steps
@@ -384,7 +369,8 @@ def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_
             p.normal_(0.0, 0.3).add_(p.dim() == 1)
     run = lambda fused, eos=(): generate(model, PROMPTS * 2, 12, num_samples=G, temperature=temperature, top_k=top_k,
                                          top_p=top_p, eos_ids=eos, generator=torch.Generator().manual_seed(0),
-                                         shared_prompt=shared, fused=fused)
+                                         fast={(False, False): "off", (False, True): "fused", (True, False): "shared",
+                                               (True, True): "shared+fused"}[shared, fused])
     free = run(False).tokens
     eos = [free[0, 2].item(), free[-1, 0].item()]
     forward, fused = run(False, eos), run(True, eos)
@@ -393,41 +379,42 @@ def test_fused_step_equals_the_forward(arch, G, shared, temperature, top_k, top_
     assert len(set(forward.mask.sum(1).tolist())) > 2  # rows stopped at several steps (and left the batch)
 
 
-@pytest.mark.skipif(not M.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
+@pytest.mark.skipif(not fast.ONEDNN_AVAILABLE, reason="oneDNN's linear needs an x86 CPU and torch's mkldnn")
 def test_fused_step_with_onednn_packed_weights(monkeypatch):
     # where oneDNN runs the projections (an AMD CPU with AVX-512; forced here), fused_layers hands the step copies
     # in oneDNN's own layout: the same tokens and log-probs as the model's forward, whose oneDNN calls reorder
     # the weights themselves
-    monkeypatch.setattr(M, "ONEDNN", True)
-    monkeypatch.setattr(M, "ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(fast, "ONEDNN", True)
+    monkeypatch.setattr(fast, "ONEDNN_MIN_MACS", 0)
     cfg = ModelConfig(vocab_size=V, num_hidden_layers=2, **FUSED_CONFIGS["qwen2: q/k/v biases, GQA"])
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    layers = sampler.fused_layers(model, 16)
+    assert fast.fused_layers(Transformer(cfg), 16)[0][1][1] is None  # a model use_onednn left alone: aten's
+    model = fast.use_onednn(Transformer(cfg).eval())
+    layers = fast.fused_layers(model, 16)
     assert all(w[1] is not None and w[1].is_mkldnn for layer in layers for w in (layer[1], layer[3], layer[5]))
-    assert sampler.fused_layers(model)[0][1][1] is None  # without a row count: the plain weights
+    assert fast.fused_layers(model)[0][1][1] is None  # without a row count: the plain weights
     run = lambda fused: generate(model, PROMPTS, 12, num_samples=4, eos_ids=[3, 7],
-                                 generator=torch.Generator().manual_seed(0), fused=fused)
+                                 generator=torch.Generator().manual_seed(0), fast="shared+fused" if fused else "shared")
     forward, fused = run(False), run(True)
     assert torch.equal(fused.tokens, forward.tokens) and torch.equal(fused.mask, forward.mask)
     assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-5
 
 
 def test_fused_step_falls_back_to_the_forward(monkeypatch):
-    # where fused_layers returns None, generate(fused=True) decodes with the forward: LoRA, bf16 weights, autocast,
-    # weight copies over FUSED_MAX_BYTES
+    # where fused_layers returns None, generate(fast="shared+fused") decodes with the forward: LoRA, bf16 weights,
+    # autocast, weight copies over FUSED_MAX_BYTES
     from lora import add_lora
 
     model = tiny_model(1)
-    assert sampler.fused_layers(model) is not None
+    assert fast.fused_layers(model) is not None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert sampler.fused_layers(model) is None
-    assert sampler.fused_layers(tiny_model(1).to(torch.bfloat16)) is None
-    monkeypatch.setattr(sampler, "FUSED_MAX_BYTES", 1000)
-    assert sampler.fused_layers(model) is None
+        assert fast.fused_layers(model) is None
+    assert fast.fused_layers(tiny_model(1).to(torch.bfloat16)) is None
+    monkeypatch.setattr(fast, "FUSED_MAX_BYTES", 1000)
+    assert fast.fused_layers(model) is None
     monkeypatch.undo()
     lora = add_lora(tiny_model(1), rank=2, alpha=4.0)
-    assert sampler.fused_layers(lora) is None
+    assert fast.fused_layers(lora) is None
     run = lambda fused: generate(lora, PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(0),
-                                 fused=fused)
+                                 fast="shared+fused" if fused else "shared")
     assert torch.equal(run(True).tokens, run(False).tokens)

@@ -202,6 +202,7 @@ def fused_layers(model, rows: int = 0, compiled: bool = False) -> list[tuple] | 
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
     if (not all(isinstance(m, nn.Linear) for m in projections) or torch.is_autocast_enabled(w.device.type)
+            or any(b.self_attn.qk_norm for b in model.layers)  # Qwen3's q/k norms: the forward decodes
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES):
         return None

@@ -222,16 +222,17 @@ def fused_layers(model, rows: int = 0, compile: bool = False) -> list[tuple] | N
     post-attention norm, gate/up stacked (2 I, in), down_proj), each projection a pair (weight, its
     onednn_packed copy for `rows` rows or None; compile: for weights from COMPILED_ONEDNN_MIN_WEIGHT up; None where
     use_onednn did not convert the model). Copies, made once per generate call: one matmul where the model runs
-    three, one where it runs two. None where the step
-    does not apply: LoRA adapters, weights other than fp32, autocast, FSDP2, or copies over FUSED_MAX_BYTES (there
-    the step is its matmuls: fusing saves nothing)."""
+    three, one where it runs two. None where the step does not apply: LoRA adapters, weights other than fp32,
+    autocast, FSDP2, Qwen3's q/k norms, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves
+    nothing)."""
     w = model.embed_tokens.weight
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
     if (not all(isinstance(m, nn.Linear) for m in projections) or torch.is_autocast_enabled(w.device.type)
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES
-            or any(isinstance(m, FSDPModule) for m in model.modules())):
+            or any(isinstance(m, FSDPModule) for m in model.modules())
+            or any(b.self_attn.qk_norm for b in model.layers)):  # Qwen3's q/k norms: the forward decodes
         return None
     onednn = isinstance(model.lm_head, OneDNNLinear)
 

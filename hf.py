@@ -1,7 +1,7 @@
 """Hugging Face directories <-> Transformer: config.json + model.safetensors (or shards + their index), and the
 tokenizer helpers every stage shares.
 
-    model = load_model("Qwen2.5-0.5B")    # any HF dir of model_type llama or qwen2 (safetensors only)
+    model = load_model("Qwen2.5-0.5B")    # any HF dir of model_type llama, qwen2 or qwen3 (safetensors)
     save_model(model, "out/", tokenizer)   # an HF directory again (a LoRA model merged)
 
 load_config reads config.json and checks it (ModelConfig's checks, model.check_size) before any weight is read;

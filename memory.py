@@ -14,6 +14,7 @@ EVAL_BATCH = 32  # prompts per sampler call in an eval: eval.py's --batch_size d
 def param_count(cfg: ModelConfig) -> int:
     C, HD, KD = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     attn = C * HD + 2 * C * KD + HD * C + (HD + 2 * KD) * cfg.attention_bias
+    attn += 2 * cfg.head_dim * (cfg.model_type == "qwen3")  # q_norm, k_norm
     block = attn + 3 * C * cfg.intermediate_size + 2 * C  # + SwiGLU + two norms
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * C
     return cfg.vocab_size * C + cfg.num_hidden_layers * block + C + head

@@ -1,6 +1,6 @@
-"""A Llama-3.x / Qwen2 decoder: its config, RoPE, RMSNorm, the KV cache, attention, MLP and chunked log-probs.
+"""A Llama-3.x / Qwen2 / Qwen3 decoder: its config, RoPE, RMSNorm, the KV cache, attention, MLP and chunked log-probs.
 
-    model = Transformer(preset_config("demo", vocab_size))   # or hf.load_model(dir) for any llama / qwen2 dir
+    model = Transformer(preset_config("demo", vocab_size))   # or hf.load_model(dir): llama / qwen2 / qwen3
     logits = model(tokens)                 # (B, T, vocab) fp32: the one forward entry point
     logp, entropy = model(tokens, targets=next_tokens)   # (B, T) each, without (B, T, vocab) logits in memory
 
@@ -28,11 +28,14 @@ LOGITS_CHUNK = 2**24
 MIN_CHUNK_TOKENS = 64
 
 
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Field names are Hugging Face's config.json names."""
 
-    model_type: str = "llama"  # "llama" | "qwen2"
+    model_type: str = "llama"  # "llama" | "qwen2" | "qwen3" (Qwen3: RMSNorm on each q and k head before RoPE)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,21 +48,22 @@ class ModelConfig:
     rope_scaling: dict | None = None  # None or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias: always on for qwen2, unsupported for llama
+    attention_bias: bool = False  # q/k/v bias: always on for qwen2, unsupported for llama and qwen3
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {self.model_type!r} is not supported; use a llama or qwen2 checkpoint")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; use a {' / '.join(MODEL_TYPES)} "
+                             "checkpoint")
         _check_types(self)  # before any arithmetic on the values
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates pairs of dimensions")
         self.attention_bias = self.model_type == "qwen2" or self.attention_bias
-        if self.model_type == "llama" and self.attention_bias:
-            raise ValueError("llama with attention_bias=true (q/k/v/o biases) is not supported")
+        if self.model_type != "qwen2" and self.attention_bias:
+            raise ValueError(f"{self.model_type} with attention_bias=true (q/k/v/o biases) is not supported")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -73,8 +77,9 @@ class ModelConfig:
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         if not isinstance(d.get("rope_parameters") or d.get("rope_scaling") or {}, dict):
             raise ValueError(f"rope_scaling={d.get('rope_scaling')!r} is not an object")
-        if d.get("model_type") not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {d.get('model_type')!r} is not supported; use a llama or qwen2 checkpoint")
+        if d.get("model_type") not in MODEL_TYPES:
+            raise ValueError(f"model_type {d.get('model_type')!r} is not supported; use a {' / '.join(MODEL_TYPES)} "
+                             "checkpoint")
         unsupported = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
         for key, ok in unsupported.items():
             if d.get(key, ok) != ok:
@@ -90,7 +95,7 @@ class ModelConfig:
     def to_hf(self) -> dict:
         """config.json in the top-level layout, which transformers 4.x and 5 both read."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["architectures"] = ["LlamaForCausalLM" if self.model_type == "llama" else "Qwen2ForCausalLM"]
+        d["architectures"] = [MODEL_TYPES[self.model_type]]
         d["hidden_act"] = "silu"
         if self.model_type == "qwen2":
             del d["attention_bias"]  # implied by the architecture
@@ -281,11 +286,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.model_type == "qwen3"  # Qwen3: RMSNorm over each head's q and k, before RoPE
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)  # (B, T, H, D)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)  # (B, T, Hkv, D)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(cache, "attend"):  # a cache that attends itself (the sampler's fast.SharedPromptCache)
             y = cache.attend(layer, q, k, v)

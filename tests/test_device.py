@@ -123,8 +123,7 @@ def _make_generator(seed, *ints, device="cpu"):
 def second_device(monkeypatch):
     """Scripts see DEV as their device (init_dist), make generators for it, and run inside the harness."""
     dist = lambda *a, **k: common.Dist(device=DEV)
-    for mod in (sft, grpo, eval_lib):
-        monkeypatch.setattr(mod, "init_dist", dist)
+    monkeypatch.setattr(common, "init_dist", dist)  # (every stage opens with common.start_stage)
     for mod in (grpo, eval_lib):
         monkeypatch.setattr(mod, "make_generator", _make_generator)
     # torch.utils.checkpoint looks up torch.<device type> for RNG and autocast state (never used: no RNG stashing)

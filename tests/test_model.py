@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 import fast
@@ -38,6 +40,10 @@ CASES = {  # name: (HF class, config class, config overrides)
     "qwen2-gqa-tied-bias": (Qwen2ForCausalLM, Qwen2Config,
                             dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1e6)),
     "qwen2-gqa-untied-bias": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2)),
+    # Qwen3: per-head q/k RMSNorm; head_dim 16 with 4 heads over hidden 32, wider than hidden / heads (as Qwen3-0.6B)
+    "qwen3-gqa-tied-headdim": (Qwen3ForCausalLM, Qwen3Config,
+                               dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3-gqa1-untied": (Qwen3ForCausalLM, Qwen3Config, dict(num_key_value_heads=1)),
 }
 
 

@@ -1,7 +1,9 @@
 """Tasks: where problems come from, what prompts look like, and what an SFT target is.
 
 Every task gives a list of rows {"question": str, "answer": str (the gold answer), "solution": str | None (worked
-reasoning without the final answer line)}:
+reasoning without the final answer line), "numeric": bool}. "numeric" is the task's answer form: True where the
+answers are numbers (arith, gsm8k), so a completion's answer must be a number too ("82-18+20" copied from the
+question is not the answer 84); False where answers are expressions (math). rewards.reward takes it as `numeric`.
 
 - "arith": built-in, generated multi-step arithmetic in GSM8K's own shape (question; one step per line; "#### N"),
   small enough for a character-level model trained from scratch on a laptop CPU. See ARITH_DEFAULTS for knobs.
@@ -265,7 +267,7 @@ def gsm8k_row(row, n: int = 1, source: str = "gsm8k") -> dict:
     if not sep or not _NUMBER.fullmatch(gold):
         raise ValueError(f"{source}: row {n}: field 'answer' has no '#### <number>' final line (got {raw[-40:]!r})")
     solution = _CALC_NOTE.sub("", reasoning).strip() or None  # "48/2 = <<48/2=24>>24" -> "48/2 = 24"
-    return {"question": question.strip(), "answer": _gold(gold, n, source), "solution": solution}
+    return {"question": question.strip(), "answer": _gold(gold, n, source), "solution": solution, "numeric": True}
 
 
 def math_row(row, n: int = 1, source: str = "math") -> dict:
@@ -282,7 +284,8 @@ def math_row(row, n: int = 1, source: str = "math") -> dict:
         if not answer:
             given = "an empty field 'answer'" if row.get("answer") is not None else "no field 'answer'"
             raise ValueError(f"{source}: row {n}: {given} and no \\boxed{{...}} in field 'solution'")
-    return {"question": question.strip(), "answer": _gold(answer.strip(), n, source), "solution": solution.strip()}
+    return {"question": question.strip(), "answer": _gold(answer.strip(), n, source), "solution": solution.strip(),
+            "numeric": False}
 
 
 def _gold(answer: str, n: int, source: str) -> str:

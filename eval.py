@@ -121,8 +121,9 @@ def majority_vote(answers: list) -> str | None:
     return next(a for a in answers if a is not None and counts[a] == top)
 
 
-def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float = 0.0) -> dict:
-    """Summary metrics from per-completion records (problem-major, n_samples rows per problem)."""
+def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float = 0.0, numeric: bool = False) -> dict:
+    """Summary metrics from per-completion records (problem-major, n_samples rows per problem); tolerance and
+    numeric (the task's answer form) as for the rewards."""
     groups = [records[i : i + n_samples] for i in range(0, len(records), n_samples)]
     out = {"n_problems": len(groups), "samples": n_samples}
     for k in sorted(set(pass_k)):
@@ -132,7 +133,7 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
     for k in sorted(set(pass_k)):
         if 1 < k <= n_samples:
             votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]["gold"]) for g in groups]
-            hits = [v is not None and verifier.answers_match(v, gold, tolerance) for v, gold in votes]
+            hits = [v is not None and verifier.answers_match(v, gold, tolerance, numeric) for v, gold in votes]
             out[f"maj@{k}"] = sum(hits) / len(groups)
     for key in ("correct", "format", "reward"):
         out[key] = sum(r[key] for r in records) / len(records)
@@ -186,14 +187,15 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             p, j = divmod(i, samples)
             text = tokenizer.decode(tokens[i][: n_tok[i]], skip_special_tokens=True)
             response = prompts[p][1] + text  # what the prompt opened ("<think>") + the completion
-            score = rewards.reward(response, batch[p]["answer"], tolerance=tolerance)
+            score = rewards.reward(response, batch[p]["answer"], tolerance=tolerance,
+                                   numeric=batch[p].get("numeric", False))
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
                          "num_tokens": n_tok[i], "truncated": truncated[i], **score})
     bar.close()
     model.train(was_training)
     records = sorted(all_gather_list(mine), key=lambda r: (r["problem"], r["sample"]))
-    summary = summarize(records, samples, pass_k, tolerance)
+    summary = summarize(records, samples, pass_k, tolerance, any(r.get("numeric", False) for r in rows))
     summary.update(temperature=temperature, time_s=time.perf_counter() - t0)
     return summary, records
 

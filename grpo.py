@@ -334,16 +334,18 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
     )  # fmt: skip
 
 
-def score(tok, roll: Rollout, response_starts: list[str], answers: list[str], cfg: GRPOConfig, weights):
+def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], cfg: GRPOConfig, weights):
     """Decode and score every completion on the host: the scored response is what the prompt opened
-    ("<think>") + the decoded completion. response_starts/answers: one per prompt. Returns the rewards r
+    ("<think>") + the decoded completion, against its row's gold answer in the task's answer form.
+    response_starts/problems (task rows): one per prompt. Returns the rewards r
     (P, G) fp32, moved to the rollout's device once, each completion's reward dict and its text."""
     G, lengths = cfg.group_size, roll.lengths.tolist()
     rows = [t[:n] for t, n in zip(roll.tokens.tolist(), lengths)]  # one device -> host copy
     texts = tok.batch_decode(rows, skip_special_tokens=True)
     scores = [
-        rewards.reward(response_starts[i // G] + t, answers[i // G], weights, num_tokens=lengths[i],
-                       max_tokens=cfg.max_new_tokens, tolerance=cfg.reward_tolerance)
+        rewards.reward(response_starts[i // G] + t, problems[i // G]["answer"], weights, num_tokens=lengths[i],
+                       max_tokens=cfg.max_new_tokens, tolerance=cfg.reward_tolerance,
+                       numeric=problems[i // G].get("numeric", False))
         for i, t in enumerate(texts)
     ]  # fmt: skip
     r = torch.tensor([s["reward"] for s in scores], dtype=torch.float32, device=roll.tokens.device)
@@ -660,8 +662,8 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
     prompts = [task.ids[i] for i in mine]
     roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
     t1 = time.perf_counter()
-    starts, answers = [task.response_start[i] for i in mine], [task.rows[i]["answer"] for i in mine]
-    r, scores, texts = score(tok, roll, starts, answers, cfg, weights)  # r: (P_rank, G) on the device
+    starts, rows = [task.response_start[i] for i in mine], [task.rows[i] for i in mine]
+    r, scores, texts = score(tok, roll, starts, rows, cfg, weights)  # r: (P_rank, G) on the device
     adv, lmask, w, w_kl, zero_std = advantages(r, roll, cfg, d.world_size)
     t2 = time.perf_counter()
     batch, seq_len = training_rows(prompts, roll, cfg.group_size, pad_id)

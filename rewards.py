@@ -2,7 +2,8 @@
 
 Pure Python, no torch; nothing here or in verifier.py ever evaluates model text. A reward is a weighted sum of
 components, each a function below with an entry in DEFAULT_WEIGHTS (--reward_weights changes the weights):
-  correct   1 if the <answer> block of a well-formed response matches the gold answer (verifier.answers_match)
+  correct   1 if the <answer> block of a well-formed response matches the gold answer (verifier.answers_match;
+            where the task's answers are numbers, `numeric`, the answer must be a number, not an expression)
   format    1 if the response has the strict R1 structure (parse_r1)
   overlong  DAPO's soft length penalty in [-1, 0] (overlong_penalty; weight 0 by default)
 
@@ -30,11 +31,12 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def reward(response: str, gold: str, weights: dict | None = None, *, num_tokens=None, max_tokens=None,
-           tolerance: float = 0.0) -> dict:
+           tolerance: float = 0.0, numeric: bool = False) -> dict:
     """Score one response (response_prefix + completion) against the gold answer.
 
     Returns {"reward": weighted sum, "correct": 0/1, "format": 0/1, "overlong": in [-1, 0]}. `correct` needs the
-    strict R1 format: the answer is read from the <answer> block only. `tolerance`: see verifier.answers_match.
+    strict R1 format: the answer is read from the <answer> block only. `tolerance`, `numeric` (the row's answer form,
+    data.py): see verifier.answers_match.
     """
     weights = {**DEFAULT_WEIGHTS, **(weights or {})}  # names not given keep their default weight
     unknown = set(weights) - set(DEFAULT_WEIGHTS)
@@ -42,7 +44,7 @@ def reward(response: str, gold: str, weights: dict | None = None, *, num_tokens=
         raise ValueError(f"unknown reward weights {sorted(unknown)}; known: {sorted(DEFAULT_WEIGHTS)}")
     parsed = parse_r1(response)
     parts = {
-        "correct": float(parsed is not None and verifier.answers_match(parsed[1], gold, tolerance)),
+        "correct": float(parsed is not None and verifier.answers_match(parsed[1], gold, tolerance, numeric)),
         "format": float(parsed is not None),
         "overlong": overlong_penalty(num_tokens, max_tokens),
     }

@@ -925,15 +925,19 @@ def _drop_assignment(s: str, other: str) -> str:
     return s
 
 
-def answers_match(pred: str, gold: str, tolerance: float = 0.0) -> bool:
+def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = False) -> bool:
     """True if `pred` and `gold` are the same answer: equal normalised strings, or equal values of their trees
-    (see the module docstring). `tolerance` > 0 lets a decimal match an exact value within that relative error."""
+    (see the module docstring). `tolerance` > 0 lets a decimal match an exact value within that relative error.
+    numeric: the task's answers are numbers, so `pred` must be one too (to_number's forms after normalisation:
+    "84", "$84", "84 apples", "1,000", "0.5", "3/4"), never an expression that evaluates to it ("82-18+20")."""
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     a, b = normalize(pred), normalize(gold)
     if not a or not b:
         return False
     a, b = _drop_assignment(a, b), _drop_assignment(b, a)
+    if numeric and to_number(a) is None:
+        return False
     if _atom_equal(a, b):
         return True
     sa, sb = _as_sequence(a), _as_sequence(b)

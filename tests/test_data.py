@@ -164,7 +164,8 @@ GSM = [{"question": f"Q{i}?", "answer": f"{i} + 1,000 = <<{i}+1000={i + 1000}>>{
 
 def test_gsm8k_row_parsing(tmp_path):
     rows = load_task("gsm8k", "train", path=_write_jsonl(tmp_path / "g.jsonl", GSM))
-    assert rows[3] == {"question": "Q3?", "answer": "1003", "solution": "3 + 1,000 = 1,003"}  # notes stripped
+    assert rows[3] == {"question": "Q3?", "answer": "1003", "solution": "3 + 1,000 = 1,003",
+                       "numeric": True}  # notes stripped
     assert load_task("gsm8k", "train[:20%]", path=str(tmp_path / "g.jsonl")) == rows[:2]
 
 
@@ -219,6 +220,7 @@ def test_math_rows(tmp_path):
     ]
     got = load_task("math", "test", path=_write_jsonl(tmp_path / "m.jsonl", rows))
     assert [r["answer"] for r in got] == ["\\frac12", "\\{1, \\{2\\}\\}"]  # given answer; else last box, balanced
+    assert [r["numeric"] for r in got] == [False, False]  # MATH answers may be expressions
     path = _write_jsonl(tmp_path / "bad.jsonl", rows + [{"problem": "P3", "solution": "no box here"}])
     with pytest.raises(ValueError, match=r"bad.jsonl: row 3: no field 'answer' and no \\boxed"):
         load_task("math", "test[:1]", path=path)  # every row is checked, not only the selected ones

@@ -109,3 +109,36 @@ def test_help_and_bad_model_dir(tmp_path, capsys):
     assert e.value.code == 0 and "--pass_k" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a model directory"):
         evaluation.main(["--model", str(tmp_path), "--out_dir", str(tmp_path / "o")])
+
+
+def _copying(tok, rows, samples, pad_id):
+    """A stand-in for sampler.generate: every completion copies its question's expression as the answer
+    ("What is 82-18+20?" -> <answer>82-18+20</answer>), the policy #45 item 6 found scoring full marks."""
+    from sampler import Generation
+    texts = [f"x</think> <answer>{r['question'][len('What is '):-1]}</answer>" for r in rows for _ in range(samples)]
+    ids = [tok.encode(t) + [tok.eos_token_id] for t in texts]
+    T = max(map(len, ids))
+    tokens = torch.tensor([i + [pad_id] * (T - len(i)) for i in ids])
+    mask = torch.tensor([[j < len(i) for j in range(T)] for i in ids])
+    return Generation(tokens=tokens, mask=mask, logprobs=torch.zeros(tokens.shape), truncated=~mask[:, -1] & False)
+
+
+def test_a_policy_copying_the_question_scores_nothing(tiny_model_dir, monkeypatch):
+    # eval.py and grpo.py score arith answers in its answer form (numbers), greedy and maj@k alike
+    import grpo
+    from data import load_task
+    from hf import load_model, load_tokenizer
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    rows = load_task("arith", "test[:6]")
+    monkeypatch.setattr(evaluation, "generate", lambda m, ids, n, num_samples=1, **k: _copying(
+        tok, rows[: len(ids)], num_samples, tok.pad_token_id))
+    summary, records = evaluation.evaluate(model, tok, rows, template="r1", max_new_tokens=40, samples=2,
+                                           temperature=1.0, pass_k=(1, 2))
+    assert [r["format"] for r in records] == [1.0] * 12  # well-formed, so only the answer form decides
+    assert summary["pass@1"] == summary["maj@2"] == summary["correct"] == 0.0
+    roll = _copying(tok, rows, 2, tok.pad_token_id)
+    roll = grpo.Rollout(roll.tokens, roll.mask, roll.logprobs, roll.truncated, roll.mask.sum(1))
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=40)
+    r, scores, _ = grpo.score(tok, roll, ["<think>"] * 6, rows, cfg, None)
+    assert r.shape == (6, 2) and [s["format"] for s in scores] == [1.0] * 12
+    assert sum(s["correct"] for s in scores) == 0.0

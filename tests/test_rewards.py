@@ -184,6 +184,47 @@ def test_reward_components_and_weights():
         reward(good, "42", {"corect": 1.0})
 
 
+# Copying the question (#45 item 6): where the task's answers are numbers (arith, gsm8k: numeric=True) an answer
+# must be a number, however it is written; an expression that evaluates to the gold is not one. Where answers
+# are expressions (math: numeric=False) it still counts.
+ANSWER_FORMS = [
+    # (answer, gold, numeric, correct)
+    ("82-18+20", "84", True, False),  # arith: the question "What is 82-18+20?" copied
+    ("82-18+20", "84", False, True),
+    ("6*7", "42", True, False),
+    ("2 \\cdot 21", "42", True, False),
+    ("40+2 apples", "42", True, False),
+    ("\\sqrt{1764}", "42", True, False),
+    ("84", "84", True, True),
+    ("$84", "84", True, True),
+    ("84 apples", "84", True, True),
+    ("84.00", "84", True, True),
+    ("\\boxed{84}", "84", True, True),
+    ("1,000", "1000", True, True),
+    ("x = 84", "84", True, True),
+    ("3/4", "0.75", True, True),
+    ("-3", "-3", True, True),
+    ("85", "84", True, False),
+    ("\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", False, True),  # math keeps its expressions
+]
+
+
+@pytest.mark.parametrize("answer, gold, numeric, correct", ANSWER_FORMS)
+def test_numeric_answer_form(answer, gold, numeric, correct):
+    assert answers_match(answer, gold, numeric=numeric) is correct
+    got = reward(f"<think>x</think> <answer>{answer}</answer>", gold, numeric=numeric)
+    assert got["correct"] == float(correct) and got["format"] == 1.0
+
+
+def test_copying_the_question_scores_nothing_on_arith():
+    from data import load_task
+    rows = load_task("arith", "test[:200]")
+    assert all(r["numeric"] for r in rows)
+    copies = [f"<think>x</think> <answer>{r['question'][len('What is '):-1]}</answer>" for r in rows]
+    assert sum(reward(c, r["answer"])["correct"] for c, r in zip(copies, rows)) == len(rows)  # by value: all
+    assert sum(reward(c, r["answer"], numeric=r["numeric"])["correct"] for c, r in zip(copies, rows)) == 0
+
+
 def test_overlong_penalty():
     good = "<think>a</think> <answer>1</answer>"
     w = {"overlong": 1.0}

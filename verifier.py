@@ -248,7 +248,7 @@ def normalize(answer: str) -> str | None:
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     if len(s) == 3 and s[0] == "(" and s[2] == ")" and s[1] in "ABCDE":  # multiple choice "(C)" -> "C"
         s = s[1]
-    return s
+    return _chain_answer(s)
 
 
 def _split_top(s: str) -> list[str]:
@@ -321,9 +321,12 @@ STEP_BUDGET = 20_000
 NUM_POINTS = 5  # seeded points at which expressions with variables are evaluated
 NUM_RTOL = 1e-10  # relative tolerance of the numeric comparison (|a - b| <= NUM_RTOL * max(1, |a|, |b|))
 
-_TOKEN = re.compile(r"\d+(?:\.\d*)?|\.\d+|\\[A-Za-z]+|\\.|[A-Za-z]+|\S")
+_TOKEN = re.compile(r"\d+(?:\.\d*)?|\.\d+|\\[A-Za-z]+|\\.|[A-Za-z]+|[<>!]=|\S")  # "<=" is one token
+# Relation notation, LaTeX, ASCII and Unicode alike: x >= 5, x \geq 5, x \ge 5 and x ≥ 5 are one relation.
 _REL_OPS = {"=": "=", "<": "<", ">": ">", "\\lt": "<", "\\gt": ">", "\\le": "<=", "\\leq": "<=",
-            "\\leqslant": "<=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=", "\\ne": "!=", "\\neq": "!="}
+            "\\leqslant": "<=", "\\leqq": "<=", "<=": "<=", "≤": "<=", "\\ge": ">=", "\\geq": ">=",
+            "\\geqslant": ">=", "\\geqq": ">=", ">=": ">=", "≥": ">=", "\\ne": "!=", "\\neq": "!=", "!=": "!=",
+            "≠": "!="}
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
 _OPEN, _CLOSE = ("(", "[", "{", "\\{"), (")", "]", "}", "\\}")
 _GREEK = {"\\alpha", "\\beta", "\\gamma", "\\delta", "\\epsilon", "\\varepsilon", "\\theta", "\\lambda", "\\mu",
@@ -870,7 +873,7 @@ def _trees_equal(a: tuple, b: tuple, tolerance: float, budget: _Budget, cache: d
         return _fingerprints_equal(fps[0], fps[1], tolerance)
     same = lambda x, y: _trees_equal(x, y, tolerance, budget, cache)
     if ka == "rel" and kb == "rel":
-        return _rels_equal(a, b, same)
+        return _rels_equal(a, b, same, budget)
     for x, y in ((a, b), (b, a)):
         if x[0] == "rel" and y[0] not in ("rel", "set"):
             if x[2] == ["="] and y[0] not in _STRUCTURES:  # "k = 1" against 1, "2x + 3 = y" against 2x + 3
@@ -898,23 +901,93 @@ def _trees_equal(a: tuple, b: tuple, tolerance: float, budget: _Budget, cache: d
     return True
 
 
-def _rels_equal(a: tuple, b: tuple, same) -> bool:
-    """Relations compare side by side after writing > and >= as < and <= (5 \\geq x is x \\leq 5)."""
-    def canonical(node):
-        exprs, ops = node[1], node[2]
+def _rels_equal(a: tuple, b: tuple, same, budget: _Budget) -> bool:
+    """Relations compare side by side after writing > and >= as < and <= (5 \\geq x is x \\leq 5), also with every
+    member of one negated (-x > -1 is x < 1); else as one-relation statements f < 0, f = 0 ... with f = lhs - rhs,
+    equal when the two f are proportional (see _proportional)."""
+    def canonical(exprs, ops):
         if ops and all(o in (">", ">=") for o in ops):
             return exprs[::-1], [_FLIP[o] for o in ops[::-1]]
         return exprs, ops
-    (ea, oa), (eb, ob) = canonical(a), canonical(b)
-    if oa != ob:
+    (ea, oa) = canonical(a[1], a[2])
+    for eb, ob in (canonical(b[1], b[2]), canonical([("neg", e) for e in b[1]], [_FLIP[o] for o in b[2]])):
+        if oa != ob:
+            continue
+        if all(map(same, ea, eb)):
+            return True
+        symmetric = all(o in ("=", "!=") for o in oa)  # a = b is b = a
+        if symmetric and len(ea) == 2 and same(ea[0], eb[1]) and same(ea[1], eb[0]):
+            return True
+    (eb, ob) = canonical(b[1], b[2])
+    if oa != ob or len(oa) != 1 or any(e[0] in _STRUCTURES for e in ea + eb):
         return False
-    if all(map(same, ea, eb)):
-        return True
-    symmetric = all(o in ("=", "!=") for o in oa)  # a = b is b = a
-    return symmetric and len(ea) == 2 and same(ea[0], eb[1]) and same(ea[1], eb[0])
+    diff = lambda e: ("add", [e[0], ("neg", e[1])])
+    return _proportional(diff(ea), diff(eb), oa[0] not in ("=", "!="), budget)
+
+
+def _proportional(fa: tuple, fb: tuple, positive: bool, budget: _Budget) -> bool:
+    """f_a = c * f_b for one constant c != 0 (c > 0 if `positive`: an inequality keeps its direction), checked at
+    the seeded points: 2x+4y=3 is x+2y=1.5, y=2x+3 is 2x-y+3=0, and -x < -1 is x > 1; but 2x+4y=3 is not 2x+4y=6
+    (f_a - f_b is a nonzero constant, so the ratio moves). Only for relations with variables ("1 = 2" is not
+    "2 = 4"), the same ones on both sides, and at least 3 points where both f are defined and f_b is not 0."""
+    if not _free_vars(fa) or _free_vars(fa) != _free_vars(fb):
+        return False
+    va, vb = _fingerprint(fa, budget)[3], _fingerprint(fb, budget)[3]
+    pairs = [(x, y) for x, y in zip(va, vb) if x is not None and y is not None]
+    if len(pairs) < 3 or any(abs(y) <= NUM_RTOL or abs(x) <= NUM_RTOL for x, y in pairs):
+        return False  # f vanishes at a seeded point: too close to call
+    x0, y0 = max(pairs, key=lambda p: abs(p[1]))
+    c = x0 / y0
+    if positive and (abs(c.imag) > NUM_RTOL * abs(c) or c.real <= 0):
+        return False
+    return all(_close(x, c * y, NUM_RTOL * 100) for x, y in pairs)
 
 
 # ---------------------------------------------------------------- public checks
+
+
+_VARIABLE = re.compile(r"[A-Za-z](?:_\w|_\{\w+\})?")  # x, a_1, a_{12} (Greek letters: _GREEK)
+_ORDER_RELATION = re.compile(r"[<>≤≥≠]|\\(?:le|ge|lt|gt|ne)")
+
+
+def _chain_answer(s: str) -> str:
+    """A chain that starts from a variable is an assignment of its answer: "x=5+5+1=11" -> "x=11"; with
+    approximations the exact member wins: "x=1/3\\approx0.33" -> "x=1/3" (the last member reached from the
+    variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). Anything else
+    (one "=", no leading variable, an order relation in it, an empty member) is returned as it is."""
+    if "=" not in s and "\\approx" not in s and "≈" not in s:
+        return s
+    members, seps, depth, start, i = [], [], 0, 0, 0
+    while i < len(s):  # split at top-level "=", "\approx", "≈" (not the "=" of "<=", ">=", "!=")
+        c, width = s[i], 0
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and c == "=" and (i == 0 or s[i - 1] not in "<>!"):
+            seps.append("=")
+            width = 1
+        elif depth == 0 and c == "≈":
+            seps.append("~")
+            width = 1
+        elif depth == 0 and s.startswith("\\approx", i) and not s[i + 7 : i + 8].isalpha():
+            seps.append("~")
+            width = 7
+        if width:
+            members.append(s[start:i])
+            start = i + width
+            i += width
+        else:
+            i += 1
+    members.append(s[start:])
+    if (len(seps) < 2 and seps != ["~"]) or not all(members) or _ORDER_RELATION.search(s):
+        return s
+    if not (_VARIABLE.fullmatch(members[0]) or members[0] in _GREEK):
+        return s
+    exact = 0
+    while exact < len(seps) and seps[exact] == "=":
+        exact += 1
+    return members[0] + "=" + members[exact if exact else -1]
 
 
 def _drop_assignment(s: str, other: str) -> str:

@@ -206,6 +206,10 @@ ANSWER_FORMS = [
     ("-3", "-3", True, True),
     ("85", "84", True, False),
     ("\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", False, True),  # math keeps its expressions
+    ("x = 82-18+20 = 84", "84", True, True),  # a chain from a variable: its last member, a number (#49)
+    ("x \\approx 84", "84", True, True),
+    ("82-18+20 = 84", "84", True, False),  # no variable first: a relation, not a number
+    ("x = 84 = 82-18+20", "84", True, False),  # the last member is an expression
 ]
 
 
@@ -335,6 +339,22 @@ EQUIVALENT = [
     ("\\begin{pmatrix} 1 & \\sqrt4 \\\\ 0 & 1 \\end{pmatrix}", "\\begin{pmatrix}1&2\\\\0&1\\end{pmatrix}"),
     # thousands, kept for GSM8K
     ("1,000", "1000"), ("10,\\!080", "10080"), ("-1,234", "-1234"), ("\\$1,000.50", "1000.5"),
+    # relation notation (#49): ASCII, LaTeX and Unicode spellings of one relation
+    ("x >= 5", "x \\geq 5"), ("x \\ge 5", "x \\geq 5"), ("x <= 5", "x \\leq 5"), ("x\\le 5", "x <= 5"),
+    ("a != b", "a \\neq b"), ("a \\ne b", "a != b"), ("x \\gt 3", "x > 3"), ("x \\lt 3", "x < 3"), ("x ≥ 5", "x >= 5"),
+    ("x ≤ 5", "x \\le 5"), ("a ≠ b", "a \\ne b"), ("x >= 5", "[5, \\infty)"), ("-1 <= x < 3", "[-1, 3)"),
+    ("x \\geqslant 2", "x >= 2"),
+    # both sides times -1 (the direction flips), and a chain of two
+    ("-x > -1", "x < 1"), ("-x \\geq -5", "x \\leq 5"), ("-2 < -x < -1", "1 < x < 2"), ("-y \\ne 3", "y \\ne -3"),
+    # chains from a variable: the last member is the answer; with \\approx the exact member wins (#49)
+    ("x = 5+5+1 = 11", "11"), ("x = 5+5+1 = 11", "x = 11"), ("x = 5 + 6 = 7 + 4 = 11", "11"), ("x \\approx 11", "11"),
+    ("x ≈ 11", "11"), ("x = 1/3 \\approx 0.33", "1/3"), ("x = \\frac{1}{3} \\approx 0.333", "\\frac13"),
+    ("a_1 = 2+1 = 3", "3"), ("\\theta = \\frac{\\pi}{2} \\approx 1.57", "\\frac{\\pi}{2}"),
+    # equations up to a nonzero factor or rearrangement (f = lhs - rhs proportional at the seeded points)
+    ("-5x + 7y - 11z - 4 = 0", "5x - 7y + 11z + 4 = 0"), ("\\frac{x^2}{4} + y^2 = 1", "x^2 + 4y^2 = 4"),
+    ("y = 2x + 3", "2x - y + 3 = 0"), ("y = -2x", "2x + y = 0"), ("2x + 4y = 3", "x + 2y = \\frac32"),
+    ("10x - 14y + 22z + 8 = 0", "5x - 7y + 11z + 4 = 0"), ("x + y = 1", "y = 1 - x"), ("2x = 10", "x = 5"),
+    ("y = \\frac{1}{2}x - 1", "x - 2y - 2 = 0"), ("2x < 4", "x < 2"), ("-3x \\le 6", "x \\ge -2"),
 ]
 
 DIFFERENT = [
@@ -367,6 +387,18 @@ DIFFERENT = [
     ("1,2", "1,2,3"), ("1,2", "1,3"), ("1,1,2", "1,2,2"), ("\\{1,2\\}", "\\{1,3\\}"), ("\\sqrt2,-\\sqrt2", "\\sqrt2"),
     ("(0,9) \\cup (9,36)", "(0,36)"), ("(0,9) \\cup (9,36)", "(0,9) \\cup [9,36)"), ("\\emptyset", "0"),
     ("32, 349", "32349"), ("1 \\pm \\sqrt{2}", "1+\\sqrt2"), ("\\pm 3", "3"), ("1, 000", "1000"), ("5,5", "55"),
+    # relation notation (#49): the strict and the non-strict relation are different answers
+    ("x > 5", "x >= 5"), ("x > 5", "x \\geq 5"), ("x < 5", "x <= 5"), ("x \\lt 5", "x \\le 5"), ("x ≥ 5", "x > 5"),
+    ("a != b", "a = b"), ("x >= 5", "x <= 5"), ("x >= 5", "(5, \\infty)"), ("x \\gt 3", "x \\ge 3"),
+    ("-x > -1", "x > 1"), ("-x > -1", "x > -1"), ("-x < 1", "x < -1"), ("-2 < -x < -1", "-2 < x < -1"),
+    ("-2x < 4", "x < -2"), ("2x < 4", "x > 2"),
+    # chains: the last member counts, and the exact member over the approximation
+    ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.33", "0.33"),
+    ("x = 5+5+1 = 11", "y = 11"), ("x \\approx 0.33", "\\frac13"),
+    # equations: a different constant, a different slope, a power, or no variable at all
+    ("2x + 4y = 3", "2x + 4y = 6"), ("y = 2x + 3", "y = 2x - 3"), ("y = 2x + 3", "2x + y + 3 = 0"), ("y = x", "y = 2x"),
+    ("x = 2", "x^2 = 4"), ("x^2 + 4y^2 = 4", "x^2 + 4y^2 = 1"), ("5x - 7y + 11z + 4 = 0", "5x - 7y + 11z - 4 = 0"),
+    ("1 = 2", "2 = 4"), ("x + y = 1", "x + z = 1"),
     # matrices
     ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}2\\\\1\\end{pmatrix}"),
     ("\\begin{pmatrix}1&2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),

@@ -152,7 +152,8 @@ def _brace_args(s: str, cmd: str, nargs: int) -> str:
 
 # Simple, unambiguous patterns (each character can be matched one way only), so matching is linear.
 _DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # "1,000": the whole answer, no space after commas
+_THOUSANDS = re.compile(r"[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")  # "1,000", "1,000.99"; never "0,111"
+_DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+")  # "1000,99", "1,22", "0,111": one comma, no space
 _MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
 _UNIT_WORD = re.compile(r"[A-Za-z]{2,}\.?(?:\^\d|\^\{\d\})?")
 _SPACING = ("\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ", "~")
@@ -189,6 +190,13 @@ def to_number(s: str) -> Fraction | None:
     return None
 
 
+def _decimal_comma(s: str) -> str:
+    """"1000,99" -> "1000.99" when s is digits, one comma, digits, and not thousands (those went first: "1,000" is
+    1000, never 1.000, in an English context). Only for a prediction whose gold is one number (normalize's
+    decimal_comma): against a list gold ("-2,1": MATH's "all solutions") "1,22" stays the list 1, 22."""
+    return s.replace(",", ".") if _DECIMAL_COMMA.fullmatch(s) else s
+
+
 def _drop_thousands(s: str) -> str:
     """"1,000" -> "1000" when the whole string is one number with thousands separators. A comma followed by a
     space is a list separator ("32, 349" is two numbers), so the pattern holds no whitespace."""
@@ -203,8 +211,9 @@ def _ends_with_command(s: str) -> bool:
     return 0 < k < len(s) and s[k - 1] == "\\"
 
 
-def normalize(answer: str) -> str | None:
-    """Canonical, whitespace-free form of an answer string (LaTeX or plain); None if it is too long to check."""
+def normalize(answer: str, decimal_comma: bool = False) -> str | None:
+    """Canonical, whitespace-free form of an answer string (LaTeX or plain); None if it is too long to check.
+    decimal_comma: read one number with a comma that is no thousands separator as a decimal ("1,22" -> "1.22")."""
     s = answer.strip()
     if len(s) > MAX_ANSWER_CHARS:
         return None
@@ -237,9 +246,12 @@ def normalize(answer: str) -> str | None:
         if not _UNIT_WORD.fullmatch(words[-k]):
             break
         left = _drop_thousands(" ".join(words[:-k]))
-        if to_number(left.replace(" ", "")) is not None or _is_constant(left):
+        if (to_number(left.replace(" ", "")) is not None or _is_constant(left)
+                or (decimal_comma and _DECIMAL_COMMA.fullmatch(left))):
             s = left
             break
+    if decimal_comma:
+        s = _decimal_comma(s)
     # Drop all whitespace except one space that separates a command from a letter ("\cot x" is not "\cotx").
     # (Done piece by piece: no placeholder character, so a NUL in the input stays a NUL.)
     pieces = s.split()
@@ -1005,7 +1017,8 @@ def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = 
     "84", "$84", "84 apples", "1,000", "0.5", "3/4"), never an expression that evaluates to it ("82-18+20")."""
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
-    a, b = normalize(pred), normalize(gold)
+    b = normalize(gold)
+    a = normalize(pred, decimal_comma=bool(b) and to_number(b) is not None)  # "1000,99" against one number
     if not a or not b:
         return False
     a, b = _drop_assignment(a, b), _drop_assignment(b, a)

@@ -426,6 +426,46 @@ def test_grammar_tables_are_large():
     assert len(EQUIVALENT) >= 100 and len(DIFFERENT) >= 100
 
 
+# Decimal commas (#49), one way round: (pred, gold, match). A prediction that is digits, one comma, digits, and no
+# thousands separator ("1000,99", "1,22": not 3 digits after the comma; "0,111": no thousands group starts with 0)
+# is a decimal when its gold is one number, since a list could never equal that gold. Against a list gold
+# ("-2,1", MATH's "all solutions") it stays a list; "1,000" is always one thousand (an English context), never 1.000.
+DECIMAL_COMMAS = [
+    ("1000,99", "1000.99", True),
+    ("1,22", "1.22", True),
+    ("0,111", "0.111", True),
+    ("0,5", "\\frac12", True),
+    ("-2,1", "-2.1", True),
+    ("1000,99 euros", "1000.99", True),
+    ("1,22 cm", "1.22", True),
+    ("1,000.99", "1000.99", True),  # thousands and a decimal point together
+    ("\\$1,000.99", "1000.99", True),
+    ("58,500", "58500", True),
+    ("1,000", "1000", True),
+    # must differ
+    ("1,000", "1.000", False),
+    ("1,000", "1", False),
+    ("1,234", "1.234", False),
+    ("1.000", "1,000", False),
+    ("0,111", "111", False),
+    ("1000,99", "100099", False),
+    ("1,22", "122", False),
+    ("1,22", "1.2", False),
+    ("32, 349", "32.349", False),  # a space after the comma: a list
+    ("32, 349", "32349", False),
+    ("-2.1", "-2,1", False),  # the gold is the list -2, 1
+    ("1,5", "1,-5", False),
+    ("1,2,3", "1.23", False),
+    ("1,000,99", "1000.99", False),
+]
+
+
+@pytest.mark.parametrize("pred,gold,expected", DECIMAL_COMMAS)
+def test_decimal_commas(pred, gold, expected):
+    assert answers_match(pred, gold) is expected
+    assert answers_match(pred, gold, numeric=True) is expected  # the comma is read before the numeric check
+
+
 # Decimal against exact only within --reward_tolerance: (pred, gold, tolerance, match)
 TOLERANCE_CASES = [
     ("0.0833333333333333", "\\frac{1}{12}", 1e-9, True),

@@ -80,6 +80,165 @@ def last_boxed(s: str) -> str | None:
     return s[i : end if end >= 0 else len(s)].strip() or None
 
 
+# ---------------------------------------------------------------- the final answer inside a sentence
+#
+# A model's answer block may hold a sentence: "Answer \[ 9 \]", "Therefore $x \geq 5$ is the solution.", "Final
+# Answer: The largest $n$ is 34.", "It costs 5 euros". final_answer picks the answer out of it, in this order:
+# \boxed (normalize does that first); then, only where the text has prose words outside its math spans, what
+# follows the last "answer"; the trailing number; the last math span. Each scan is one left-to-right pass.
+
+_NUMBER_WORD = re.compile(r"[+-]?(?:\d+(?:[.,]\d+)*|\.\d+)(?:/\d+)?(?:\\?%)?")  # 34, -2.5, 1,000.99, 3/4, 50%
+_TRAILING_PUNCTUATION = ".,;:!?"
+_SHORT_WORDS = ("is", "so", "So", "it", "It", "we", "We")  # two-letter words; other letter pairs are products
+_MAX_WORDS_AFTER_NUMBER = 4  # "It costs 5 euros", "18 dollars per hour", "5 is the answer"
+
+
+def _find_dollar(s: str, i: int, width: int) -> int:
+    r"""Index of the next "$" ("$$" if width is 2) at or after i that is not escaped as "\$"; -1 if none."""
+    j = s.find("$" * width, i)
+    while j > 0 and s[j - 1] == "\\":
+        j = s.find("$" * width, j + 1)
+    return j
+
+
+def _math_spans(s: str) -> list[tuple[int, int, int, int]]:
+    r"""(start, end, content start, content end) of each $..$, $$..$$, \(..\) and \[..\] in s, left to right. "\$"
+    is a dollar sign; an opener without its closer ends the scan ("$18 dollars" has no span)."""
+    spans, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and s[i + 1 : i + 2] in ("(", "["):
+            j = s.find("\\)" if s[i + 1] == "(" else "\\]", i + 2)
+            if j < 0:
+                break
+            spans.append((i, j + 2, i + 2, j))
+            i = j + 2
+        elif s[i] == "\\":
+            i += 2  # an escaped character: "\$" is no delimiter
+        elif s[i] == "$":
+            width = 2 if s.startswith("$$", i) else 1
+            j = _find_dollar(s, i + width, width)
+            if j < 0:
+                break
+            spans.append((i, j + width, i + width, j))
+            i = j + width
+        else:
+            i += 1
+    return spans
+
+
+def _outside(s: str, spans: list) -> str:
+    """s with each math span replaced by one space."""
+    pieces, last = [], 0
+    for start, end, _, _ in spans:
+        pieces.append(s[last:start])
+        last = end
+    pieces.append(s[last:])
+    return " ".join(pieces)
+
+
+def _has_prose(s: str) -> bool:
+    r"""True if s has an English word (a run of 3+ letters, or one of _SHORT_WORDS) outside braces and not a
+    \command name. So "Answer \[ 9 \]" and "x is 5" are prose; "2xy", "\cot x", "5 \text{ cm}", "\begin{pmatrix}"
+    are not."""
+    depth, i = 0, 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\":
+            i += 1
+            while i < len(s) and s[i].isascii() and s[i].isalpha():
+                i += 1  # a command name is not a word
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif c.isascii() and c.isalpha():
+            j = i
+            while j < len(s) and s[j].isascii() and s[j].isalpha():
+                j += 1
+            if depth == 0 and (j - i >= 3 or s[i:j] in _SHORT_WORDS):
+                return True
+            i = j
+            continue
+        i += 1
+    return False
+
+
+def _leading_number(s: str) -> str | None:
+    """The number that s starts with ("42, found in 3 steps" -> "42"), if it is a word of its own."""
+    m = _NUMBER_WORD.match(s.lstrip("$"))
+    if m is None:
+        return None
+    rest = s.lstrip("$")[m.end() :]
+    if rest[:1].strip() and rest[0] not in _TRAILING_PUNCTUATION:
+        return None  # "3\sqrt{2}", "2x": more than a number
+    return m.group().rstrip(_TRAILING_PUNCTUATION)
+
+
+def _trailing_number(s: str) -> str | None:
+    r"""The number that ends s, before at most _MAX_WORDS_AFTER_NUMBER words ("It costs 5 euros." -> "5",
+    "The largest is 34." -> "34"); None if anything but words follows the last number ("3 \sqrt{2} inches")."""
+    words = s.split()
+    for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
+        word = words[k].rstrip(_TRAILING_PUNCTUATION)
+        number = word.lstrip("$").removeprefix("\\$")
+        if _NUMBER_WORD.fullmatch(number):
+            return number
+        if not (word.isascii() and word.isalpha()):
+            return None
+    return None
+
+
+def _after_answer_word(s: str) -> int:
+    """Index just past "is", ":" or "=" after the last whole word "answer" (any case of its first letter or all
+    capitals) in s; -1 if there is none."""
+    k = max(s.rfind("answer"), s.rfind("Answer"), s.rfind("ANSWER"))
+    if k < 0 or (k > 0 and s[k - 1].isalpha()) or s[k + 6 : k + 7].isalpha():
+        return -1
+    i = k + 6
+    for _ in range(3):  # "The answer is: 5", "Answer = 5", "answer: 5"
+        while i < len(s) and s[i].isspace():
+            i += 1
+        if s[i : i + 1] in (":", "="):
+            i += 1
+        elif s[i : i + 2] == "is" and not s[i + 2 : i + 3].isalpha():
+            i += 2
+    return i
+
+
+def final_answer(s: str) -> str:
+    r"""The final mathematical answer in s when s is a sentence; s itself when s has no prose words outside its
+    math spans (an answer already written as mathematics is never cut: "x \geq 5", "72", "\text{Evelyn}").
+      1. what follows the last "answer" ("The answer is 42." -> "42", "Answer \[ 9 \]" -> "9"): a math span that
+         starts it, all of it if it has no prose or no space ("The answer is x^2+1." -> "x^2+1"), or a number
+         that starts it ("The answer is 42, found in 3 steps" -> "42");
+      2. else the number that ends the text after the last math span, before at most 4 words ("The largest $n$
+         is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
+      3. else the last math span ("Therefore $x \geq 5$ is the solution." -> "x \geq 5").
+    Nothing found: s, unchanged (compared as it is, so "72 clips and some" still fails to equal 72)."""
+    spans = _math_spans(s)
+    if not _has_prose(_outside(s, spans)):
+        return s
+    i = _after_answer_word(s)
+    if i >= 0:
+        rest = s[i:].strip().rstrip(".").strip()
+        span = next((sp for sp in spans if sp[0] >= i), None)
+        if span is not None and not s[i : span[0]].strip():
+            return s[span[2] : span[3]]
+        if rest and (" " not in rest or not _has_prose(_outside(rest, _math_spans(rest)))):
+            return rest
+        number = _leading_number(rest)
+        if number is not None:
+            return number
+    after = s[spans[-1][1] :] if spans else s
+    number = _trailing_number(after)
+    if number is not None:
+        return number
+    if spans:
+        return s[spans[-1][2] : spans[-1][3]]
+    return s
+
+
 def _unwrap(s: str, cmd: str, sep: str = " ") -> str:
     """Replace every `cmd{X}` by sep + X + sep (\\text{ cm} -> " cm "); unbalanced groups are left as they are."""
     out, i = [], 0
@@ -217,12 +376,11 @@ def normalize(answer: str, decimal_comma: bool = False) -> str | None:
     s = answer.strip()
     if len(s) > MAX_ANSWER_CHARS:
         return None
+    s = s.replace("−", "-")
     boxed = last_boxed(s)
-    if boxed is not None:
-        s = boxed
+    s = final_answer(s) if boxed is None else boxed  # "The answer is 42." -> "42" (see final_answer)
     for variant in ("\\dfrac", "\\tfrac", "\\cfrac"):
         s = s.replace(variant, "\\frac")
-    s = s.replace("−", "-")
     s = re.sub(r"\\left(?![A-Za-z])|\\right(?![A-Za-z])", "", s)
     for cmd in _TEXT_COMMANDS:
         s = _unwrap(s, cmd)

@@ -426,6 +426,74 @@ def test_grammar_tables_are_large():
     assert len(EQUIVALENT) >= 100 and len(DIFFERENT) >= 100
 
 
+# The answer inside a sentence (#49), one way round: (what the <answer> block holds, gold, numeric, correct).
+# \boxed first; else, where there are prose words outside the math spans, what follows "answer", the trailing
+# number (up to 4 words after it), the last math span. A numeric task still refuses an expression.
+PROSE = [
+    ("Answer \\[ 9 \\]", "9", False, True),
+    ("Answer $$ 9 $$", "9", False, True),
+    ("Answer: \\( \\frac{3}{4} \\)", "0.75", False, True),
+    ("Therefore $x \\geq 5$ is the solution.", "x \\ge 5", False, True),
+    ("Therefore $x \\geq 5$ is the solution.", "[5, \\infty)", False, True),
+    ("Final Answer: The largest $n$ is 34.", "34", False, True),
+    ("Final Answer: The largest $n$ is 34.", "34", True, True),
+    ("The answer is 42.", "42", True, True),
+    ("The answer is: 42", "42", True, True),
+    ("answer = 42", "42", True, True),
+    ("The answer is 42, found in 3 steps.", "42", True, True),
+    ("The answer is $\\frac12$, because $2 \\cdot \\frac12 = 1$.", "1/2", False, True),
+    ("The final answer is x^2 + 1.", "x^2+1", False, True),
+    ("The answer is Evelyn.", "\\text{Evelyn}", False, True),
+    ("The answer is (C).", "\\text{(C)}", False, True),
+    ("The answer is −5.", "-5", True, True),
+    ("The answer is \\boxed{7}, not 8.", "7", False, True),  # \boxed first
+    ("$18 dollars", "18", True, True),
+    ("18 USD", "18", True, True),
+    ("It costs 5 euros", "5", True, True),
+    ("It costs 1000,99 euros.", "1000.99", True, True),
+    ("The total is \\$1,000.99 dollars.", "1000.99", True, True),
+    ("\\$18.90 is the price", "18.9", True, True),
+    ("She has 18 dollars per hour left.", "18", True, True),
+    ("x = 5 is the answer", "5", True, True),
+    ("Thus x = 84.", "84", True, True),
+    ("For $n = 3$ there are 2 solutions.", "2", True, True),
+    ("So $x = 5+5+1 = 11$.", "11", False, True),
+    ("The solution set is $(-\\infty, 2) \\cup (3, \\infty)$.", "(-\\infty,2)\\cup(3,\\infty)", False, True),
+    # must differ: the wrong member of the sentence, a number that is part of an expression, near misses
+    ("Answer \\[ 9 \\]", "8", False, False),
+    ("Final Answer: The largest $n$ is 34.", "n", False, False),
+    ("The answer is 42, not 24.", "24", True, False),
+    ("Therefore $x \\geq 5$ is the solution.", "x > 5", False, False),
+    ("It costs 5 euros", "50", True, False),
+    ("3 \\sqrt{2} inches", "3", False, False),  # not a trailing number: an expression follows it
+    ("2\\sqrt{2} inches", "2", False, False),
+    ("72 clips and 3", "72", True, False),
+    ("The answer is 1,000.", "1", True, False),
+    ("The answer is 1.000 dollars.", "1000", True, False),
+    ("The answer is not given by any number here.", "42", True, False),
+    # a numeric task still needs a number: the question copied into a sentence is not one
+    ("The answer is 82-18+20.", "84", True, False),
+    ("It is $82-18+20$.", "84", True, False),
+    ("The answer is $6 \\cdot 7$.", "42", True, False),
+    ("The answer is 82-18+20.", "84", False, True),  # math answers may be expressions
+]
+
+
+@pytest.mark.parametrize("answer, gold, numeric, correct", PROSE)
+def test_answer_inside_a_sentence(answer, gold, numeric, correct):
+    assert answers_match(answer, gold, numeric=numeric) is correct
+    got = reward(f"<think>x</think> <answer>{answer}</answer>", gold, numeric=numeric)
+    assert got["correct"] == float(correct)
+
+
+def test_mathematics_is_never_cut():
+    # final_answer leaves an answer alone unless it has prose words outside its math spans
+    for answer in ["72", "x \\geq 5", "\\text{Evelyn}", "Evelyn", "5 \\text{ cm}", "2xy", "\\cot x", "1,-2",
+                   "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "864 \\mbox{ inches}^2", "x \\in [0, 1]", "$x$ = $5$",
+                   "\\frac{270}7\\text{ degrees}", "y = 2x + 3", "\\$32,\\!348", "(3, \\frac{\\pi}{2})", "5 cm"]:
+        assert verifier.final_answer(answer) == answer
+
+
 # Decimal commas (#49), one way round: (pred, gold, match). A prediction that is digits, one comma, digits, and no
 # thousands separator ("1000,99", "1,22": not 3 digits after the comma; "0,111": no thousands group starts with 0)
 # is a decimal when its gold is one number, since a list could never equal that gold. Against a list gold

@@ -7,13 +7,20 @@ in its input, never raises on any string, and never runs a regex that can backtr
 `answers_match` normalises both sides to a whitespace-free string, then compares:
 1. the strings, or both as exact numbers (to_number: 72.00, .5, 3/4, \frac{3}{4}, mixed 1\frac{4}{5});
 2. else the values of their trees (parse_answer: a bounded recursive-descent parser, no eval/exec/sympy).
-Normalisation: the last \boxed{}/\fbox{}; \( \) \[ \] $ $$ \displaystyle \left \right dropped; \dfrac \tfrac
-\cfrac -> \frac; \text \textnormal \mbox \mathrm ... unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5);
-spacing (\! \, \;) and whitespace dropped, except one space between a command and a letter ("\cot x" is not
-"\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit words go when what is left is a constant ("72 clips",
-"2\sqrt{2} cm"); "(C)" -> "C". Thousands separators ("1,000", "10,\!080") only when the whole
-answer is that one number with no space after a comma: "32, 349" is the list 32, 349 (a GSM8K model writes
-"32,349"; MATH lists are written with ", ").
+Normalisation: the last \boxed{}/\fbox{}; else, in a sentence, its final answer (final_answer: what follows
+"answer", a trailing number before unit words, the last math span: "Answer \[ 9 \]" -> 9, "The largest $n$ is
+34." -> 34, "It costs 5 euros" -> 5; only where there are prose words, so mathematics is never cut); \( \) \[ \]
+$ $$ \displaystyle \left \right dropped; \dfrac \tfrac \cfrac -> \frac; \text \textnormal \mbox \mathrm ...
+unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5); spacing (\! \, \;) and whitespace dropped, except one
+space between a command and a letter ("\cot x" is not "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit
+words go when what is left is a constant ("72 clips", "2\sqrt{2} cm"); "(C)" -> "C"; a chain from a variable
+keeps its answer ("x = 5+5+1 = 11" -> "x=11"; "x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "="
+alone wins over an approximation; "x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
+"10,\!080") only when the whole answer is that one number with no space after a comma: "32, 349" is the list
+32, 349 (a GSM8K model writes "32,349"; MATH lists are written with ", "). A decimal comma ("1000,99", "1,22",
+"0,111": a comma that cannot be a thousands separator) is read as a decimal point only in a prediction whose
+gold is one number (a list could never equal it); against a list gold ("-2,1") it stays a list, and "1,000"
+is always one thousand, never 1.000.
 Values (see the grammar section below for the tree and its bounds):
 - rationals exactly (fractions.Fraction), exact roots included (\sqrt{4} = 2, 8^{2/3} = 4); two rationals never
   match approximately unless `tolerance` > 0.
@@ -25,9 +32,14 @@ Values (see the grammar section below for the tree and its bounds):
 - `tolerance` (--reward_tolerance, 0 by default): > 0 lets numbers match within that relative error, so
   0.0833333333333333 matches \frac{1}{12}.
 - tuples and intervals in order with the same brackets ("(3,4]" != "(3,4)"); sets, bare lists ("1,-2": MATH's
-  "all solutions, separated by commas") and unions order-free; matrices element-wise; relations side by side
-  after writing > as < ("5 \geq x" is "x \leq 5"), = either way round; "x \le 5" matches "(-\infty, 5]";
-  "k = 1" matches 1. Words (letter runs of 3 or more: "even") are compared as strings only.
+  "all solutions, separated by commas") and unions order-free; matrices element-wise.
+- relations (=, <, >, and <= >= != in ASCII, LaTeX (\le \leq \leqslant \ge \ne \lt \gt ...) or Unicode) side by
+  side after writing > as < ("5 \geq x" is "x \leq 5"), = either way round, also with every member negated
+  ("-x > -1" is "x < 1"); "x \le 5" matches "(-\infty, 5]"; "k = 1" matches 1. A one-relation statement with
+  variables also matches when f = lhs - rhs of one is a constant c != 0 times the other's at every seeded point
+  (c > 0 for < and <=): "y = 2x+3" is "2x - y + 3 = 0", "x^2 + 4y^2 = 4" is "\frac{x^2}{4} + y^2 = 1", "2x < 4"
+  is "x < 2"; never "2x+4y=3" and "2x+4y=6" (their f differ by a constant: the ratio moves) or "x > 5" and
+  "x >= 5". Words (letter runs of 3 or more: "even") are compared as strings only.
 Time is bounded: answers over MAX_ANSWER_CHARS are rejected (MATH golds are < 200 characters), every scan is
 hand-written or a regex that cannot backtrack, and the tree comparison is capped by MAX_TOKENS, MAX_DEPTH,
 MAX_ITEMS, MAX_BITS and STEP_BUDGET (worst case: see the grammar section). tests/test_rewards.py fuzzes it.

@@ -548,6 +548,18 @@ TOLERANCE_CASES = [
     ("(0.5, 1.7320508)", "(\\frac12, \\sqrt3)", 1e-6, True),
     ("7", "7.0000001", 1e-6, True),
     ("7", "8", 0.1, False),  # 1/8 relative error
+    # why the default stays 0 and 1e-12 is the evaluation setting (docs/answer_checking.md, #49): 1e-6 admits
+    # hand roundings and off-by-one integers; 1e-12 admits only full float prints
+    ("1000001", "1000000", 1e-6, True),
+    ("0.333333", "\\frac13", 1e-6, True),
+    ("1000001", "1000000", 1e-12, False),
+    ("0.333333", "\\frac13", 1e-12, False),
+    ("3.14159", "\\pi", 1e-12, False),
+    ("0.0833333333333333", "\\frac{1}{12}", 1e-12, True),
+    ("1.4142135623730951", "\\sqrt2", 1e-12, True),
+    ("\\begin{pmatrix} 0.3333333333333333 \\\\ 0.5 \\end{pmatrix}", "\\begin{pmatrix} 1/3 \\\\ 1/2 \\end{pmatrix}",
+     1e-12, True),
+    ("[0.3333333333333333, 0.6666666666666666]", "[\\frac13, \\frac23]", 1e-12, True),
 ]
 
 

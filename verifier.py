@@ -14,8 +14,9 @@ $ $$ \displaystyle \left \right dropped; \dfrac \tfrac \cfrac -> \frac; \text \t
 unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5); spacing (\! \, \;) and whitespace dropped, except one
 space between a command and a letter ("\cot x" is not "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit
 words go when what is left is a constant ("72 clips", "2\sqrt{2} cm"); "(C)" -> "C"; a chain from a variable
-keeps its answer ("x = 5+5+1 = 11" -> "x=11"; "x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "="
-alone wins over an approximation; "x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
+keeps its answer when it is a computation ("x = 5+5+1 = 11" -> "x=11", the last member equal to an earlier one;
+"x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "=" alone wins over an approximation;
+"x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
 "10,\!080") only when the whole answer is that one number with no space after a comma: "32, 349" is the list
 32, 349 (a GSM8K model writes "32,349"; MATH lists are written with ", "). A decimal comma ("1000,99", "1,22",
 "0,111": a comma that cannot be a thousands separator) is read as a decimal point only in a prediction whose
@@ -189,13 +190,14 @@ def _leading_number(s: str) -> str | None:
 
 def _trailing_number(s: str) -> str | None:
     r"""The number that ends s, before at most _MAX_WORDS_AFTER_NUMBER words ("It costs 5 euros." -> "5",
-    "The largest is 34." -> "34"); None if anything but words follows the last number ("3 \sqrt{2} inches")."""
+    "The largest is 34." -> "34"), if it is the only word of s with a digit in it; None if anything but words
+    follows it ("3 \sqrt{2} inches") or another number comes before it ("x = 1 and y = 2", "72 clips and 3")."""
     words = s.split()
     for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
         word = words[k].rstrip(_TRAILING_PUNCTUATION)
         number = word.lstrip("$").removeprefix("\\$")
         if _NUMBER_WORD.fullmatch(number):
-            return number
+            return number if not any(c.isdigit() for w in words[:k] for c in w) else None
         if not (word.isascii() and word.isalpha()):
             return None
     return None
@@ -224,10 +226,10 @@ def final_answer(s: str) -> str:
       1. what follows the last "answer" ("The answer is 42." -> "42", "Answer \[ 9 \]" -> "9"): a math span that
          starts it, all of it if it has no prose or no space ("The answer is x^2+1." -> "x^2+1"), or a number
          that starts it ("The answer is 42, found in 3 steps" -> "42");
-      2. else the number that ends the text after the last math span, before at most 4 words ("The largest $n$
-         is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
+      2. else the number that ends the text after the last math span, before at most 4 words and with no other
+         number before it there ("The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
       3. else the last math span ("Therefore $x \geq 5$ is the solution." -> "x \geq 5").
-    Nothing found: s, unchanged (compared as it is, so "72 clips and some" still fails to equal 72)."""
+    Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3)."""
     spans = _math_spans(s)
     if not _has_prose(_outside(s, spans)):
         return s
@@ -1164,12 +1166,31 @@ def _chain_answer(s: str) -> str:
     members.append(s[start:])
     if (len(seps) < 2 and seps != ["~"]) or not all(members) or _ORDER_RELATION.search(s):
         return s
+    if any(";" in m or len(_split_top(m)) > 1 for m in members):
+        return s  # "x=1,y=2=2": a list of statements, not one chain
     if not (_VARIABLE.fullmatch(members[0]) or members[0] in _GREEK):
         return s
     exact = 0
     while exact < len(seps) and seps[exact] == "=":
         exact += 1
+    if exact >= 2 and not _chain_consistent(members[1 : exact + 1]):
+        return s
     return members[0] + "=" + members[exact if exact else -1]
+
+
+def _chain_consistent(members: list[str]) -> bool:
+    """True if the last member has the value of some earlier one ("5+5+1", "7", "11": 11 = 5+5+1), so that a chain
+    is a computation, not two statements run together ("x=1y=2" from "x = 1 \\quad y = 2", "x=1,y=2"). One
+    budget for the whole check; over it, or outside the grammar: False."""
+    budget = _Budget()
+    try:
+        last = parse_answer(members[-1])
+        for m in members[:-1]:
+            if _trees_equal(parse_answer(m), last, 0.0, budget, {}):
+                return True
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        pass
+    return False
 
 
 def _drop_assignment(s: str, other: str) -> str:

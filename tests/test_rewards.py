@@ -348,6 +348,7 @@ EQUIVALENT = [
     ("-x > -1", "x < 1"), ("-x \\geq -5", "x \\leq 5"), ("-2 < -x < -1", "1 < x < 2"), ("-y \\ne 3", "y \\ne -3"),
     # chains from a variable: the last member is the answer; with \\approx the exact member wins (#49)
     ("x = 5+5+1 = 11", "11"), ("x = 5+5+1 = 11", "x = 11"), ("x = 5 + 6 = 7 + 4 = 11", "11"), ("x \\approx 11", "11"),
+    ("x = 5+5+1 = 7 = 11", "11"), ("x = 2/6 = 1/3 \\approx 0.33", "\\frac13"),
     ("x ≈ 11", "11"), ("x = 1/3 \\approx 0.33", "1/3"), ("x = \\frac{1}{3} \\approx 0.333", "\\frac13"),
     ("a_1 = 2+1 = 3", "3"), ("\\theta = \\frac{\\pi}{2} \\approx 1.57", "\\frac{\\pi}{2}"),
     # equations up to a nonzero factor or rearrangement (f = lhs - rhs proportional at the seeded points)
@@ -395,6 +396,7 @@ DIFFERENT = [
     # chains: the last member counts, and the exact member over the approximation
     ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.33", "0.33"),
     ("x = 5+5+1 = 11", "y = 11"), ("x \\approx 0.33", "\\frac13"),
+    ("x = 1 \\quad y = 2", "2"), ("x = 1, y = 2 = 2", "2"), ("x = y = 5", "5"), ("x = 2y + 1 = 7", "7"),
     # equations: a different constant, a different slope, a power, or no variable at all
     ("2x + 4y = 3", "2x + 4y = 6"), ("y = 2x + 3", "y = 2x - 3"), ("y = 2x + 3", "2x + y + 3 = 0"), ("y = x", "y = 2x"),
     ("x = 2", "x^2 = 4"), ("x^2 + 4y^2 = 4", "x^2 + 4y^2 = 1"), ("5x - 7y + 11z + 4 = 0", "5x - 7y + 11z - 4 = 0"),
@@ -468,6 +470,9 @@ PROSE = [
     ("3 \\sqrt{2} inches", "3", False, False),  # not a trailing number: an expression follows it
     ("2\\sqrt{2} inches", "2", False, False),
     ("72 clips and 3", "72", True, False),
+    ("72 clips and 3", "3", True, False),  # two numbers: no trailing-number guess
+    ("x = 1 and y = 2", "2", True, False),
+    ("$x = 1$ and y is 2", "1", False, False),
     ("The answer is 1,000.", "1", True, False),
     ("The answer is 1.000 dollars.", "1000", True, False),
     ("The answer is not given by any number here.", "42", True, False),

@@ -623,7 +623,10 @@ FRAGMENTS = ["<think>", "</think>", "<answer>", "</answer>", "{", "}", "\\boxed{
              # the answer grammar: operators, relations, sets, roots, constants, functions, variables
              "^", "^{", "*", "\\cdot", "!", "|", "=", "<", "\\le", "\\geq", "\\cup", "\\{", "\\}", "\\in",
              "\\sqrt[", "]", "\\pi", "\\infty", "e", "i", "x", "y", "_", "\\sin", "\\log_", "\\alpha", "0", "2", "\\0",
-             "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "1.5", "\\text{ cm}", "{,}", "\x00", "9^{9^{9}}"]
+             "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "1.5", "\\text{ cm}", "{,}", "\x00", "9^{9^{9}}",
+             # sentences, relation notation, chains, decimal commas (#49)
+             "The answer is ", "Answer: ", "answer", " euros", " is ", "$$", "\\(", "\\)", "\\[", "\\]", "\\$",
+             ">=", "<=", "!=", "≥", "\\ne", "\\approx", "≈", "1,22", "0,111", "1,000.99", "x = "]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 

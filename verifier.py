@@ -1180,13 +1180,15 @@ def _chain_answer(s: str) -> str:
 
 def _chain_consistent(members: list[str]) -> bool:
     """True if the last member has the value of some earlier one ("5+5+1", "7", "11": 11 = 5+5+1), so that a chain
-    is a computation, not two statements run together ("x=1y=2" from "x = 1 \\quad y = 2", "x=1,y=2"). One
-    budget for the whole check; over it, or outside the grammar: False."""
-    budget = _Budget()
+    is a computation, not two statements run together ("x=1y=2" from "x = 1 \\quad y = 2", "x=1,y=2"). At most
+    MAX_ITEMS members and one budget for the whole check; over them, or outside the grammar: False."""
+    if len(members) > MAX_ITEMS:
+        return False
+    budget, cache = _Budget(), {}
     try:
         last = parse_answer(members[-1])
         for m in members[:-1]:
-            if _trees_equal(parse_answer(m), last, 0.0, budget, {}):
+            if _trees_equal(parse_answer(m), last, 0.0, budget, cache):
                 return True
     except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
         pass

@@ -177,28 +177,42 @@ def _has_prose(s: str) -> bool:
     return False
 
 
+_OPERATOR_WORDS = ("\\cdot", "\\times", "\\div", "\\pm")
+
+
+def _is_word(w: str) -> bool:
+    """A word after a number, not a variable: 2+ ASCII letters ("euros", "cm"; not "x")."""
+    return len(w) >= 2 and w.isascii() and w.isalpha()
+
+
 def _leading_number(s: str) -> str | None:
-    """The number that s starts with ("42, found in 3 steps" -> "42"), if it is a word of its own."""
+    r"""The number that s starts with ("42, found in 3 steps" -> "42"), if punctuation, a word or nothing follows
+    it: not "3\sqrt{2}", "2x", "3 + x", "3 x"."""
     m = _NUMBER_WORD.match(s.lstrip("$"))
     if m is None:
         return None
-    rest = s.lstrip("$")[m.end() :]
-    if rest[:1].strip() and rest[0] not in _TRAILING_PUNCTUATION:
-        return None  # "3\sqrt{2}", "2x": more than a number
+    rest = s.lstrip("$")[m.end() :].lstrip()
+    if rest and rest[0] not in _TRAILING_PUNCTUATION and not _is_word(rest.split()[0].rstrip(_TRAILING_PUNCTUATION)):
+        return None
     return m.group().rstrip(_TRAILING_PUNCTUATION)
 
 
 def _trailing_number(s: str) -> str | None:
     r"""The number that ends s, before at most _MAX_WORDS_AFTER_NUMBER words ("It costs 5 euros." -> "5",
-    "The largest is 34." -> "34"), if it is the only word of s with a digit in it; None if anything but words
-    follows it ("3 \sqrt{2} inches") or another number comes before it ("x = 1 and y = 2", "72 clips and 3")."""
+    "The largest is 34." -> "34"), if it is the only word of s with a digit in it and no operator comes just
+    before it; None if anything but words follows it ("3 \sqrt{2} inches"), another number comes before it
+    ("x = 1 and y = 2", "72 clips and 3") or it ends an expression ("y = x + 3 is the line")."""
     words = s.split()
     for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
         word = words[k].rstrip(_TRAILING_PUNCTUATION)
         number = word.lstrip("$").removeprefix("\\$")
         if _NUMBER_WORD.fullmatch(number):
-            return number if not any(c.isdigit() for w in words[:k] for c in w) else None
-        if not (word.isascii() and word.isalpha()):
+            if any(c.isdigit() for w in words[:k] for c in w):
+                return None
+            if k and (words[k - 1][-1] in "+-*/^(" or words[k - 1] in _OPERATOR_WORDS):
+                return None
+            return number
+        if not _is_word(word):
             return None
     return None
 

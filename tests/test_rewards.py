@@ -472,6 +472,10 @@ PROSE = [
     ("72 clips and 3", "72", True, False),
     ("72 clips and 3", "3", True, False),  # two numbers: no trailing-number guess
     ("x = 1 and y = 2", "2", True, False),
+    ("y = x + 3 is the line", "3", False, False),  # the number ends an expression
+    ("The answer is 3 + x, clearly.", "3", False, False),
+    ("The answer is 3 x, clearly.", "3", False, False),
+    ("It is 5 x", "5", False, False),
     ("$x = 1$ and y is 2", "1", False, False),
     ("The answer is 1,000.", "1", True, False),
     ("The answer is 1.000 dollars.", "1000", True, False),

@@ -1152,7 +1152,8 @@ def _chain_answer(s: str) -> str:
     """A chain that starts from a variable is an assignment of its answer: "x=5+5+1=11" -> "x=11"; with
     approximations the exact member wins: "x=1/3\\approx0.33" -> "x=1/3" (the last member reached from the
     variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). Anything else
-    (one "=", no leading variable, an order relation in it, an empty member) is returned as it is."""
+    (one "=", no leading variable, an order relation, a list or an empty member in it, or exact members that
+    are no computation: _chain_consistent) is returned as it is."""
     if "=" not in s and "\\approx" not in s and "≈" not in s:
         return s
     members, seps, depth, start, i = [], [], 0, 0, 0

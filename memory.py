@@ -106,8 +106,11 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     head_input = n * 2 * C * 4 + n * C * compute_bytes  # the final norm's fp32 input and its output
     acts = {False: (L + 1) * one_block + head_input, True: L * n * C * compute_bytes + 2 * one_block + head_input}
     est["activations"] = acts[activation_checkpointing]
-    # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient
-    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + head_grad
+    # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient.
+    # A bf16 head (bf16 weights, FSDP2's bf16 gathering) runs on an fp32 copy (model.head_logits), whose gradient
+    # is fp32 too before it is cast back
+    head_copy = V * C * 4 if compute_bytes == 2 and (sharded or (base_bytes or param_bytes) == 2) else 0
+    est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + head_grad + head_copy * (1 + (not lora_rank))
     # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
     # second on, all gradients exist alongside the activations
     grads_live = est["gradients"] if rows > micro or lora_rank else head_grad / shard
@@ -117,7 +120,7 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     kv_per_slot = 2 * L * cfg.num_key_value_heads * cfg.head_dim * compute_bytes
     est["kv_cache"] = kv_per_slot * (gen_rows * (prompt_len + new_tokens) + gen_prompts * prompt_len)
     prefill = block_activation_bytes(cfg, gen_prompts * prompt_len, compute_bytes) // 2  # no grad: one layer
-    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + gathered_gen
+    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + head_copy + gathered_gen
 
     # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
     largest = max(max(lora_shapes(cfg)[t]) for t in lora_targets) * lora_rank if lora_rank else max(V * C, block)

@@ -351,9 +351,22 @@ def logits_chunk_tokens(vocab_size: int) -> int:
     return max(LOGITS_CHUNK // vocab_size, MIN_CHUNK_TOKENS)
 
 
+def head_logits(lm_head, x):
+    """x (..., C) -> logits (..., V) in fp32 under every precision mode. A bf16 product (autocast's, or bf16
+    weights: FSDP2's MixedPrecisionPolicy, --weights_dtype bfloat16) would round them to bf16, a step of 0.125 at
+    logits of 16-32: noise in every log-prob and importance ratio. So the head runs outside autocast on fp32 copies
+    (bf16 -> fp32 is exact: the product of the values as they are, summed in fp32). An fp32 call is the plain one
+    (the same kernel, fast.use_onednn's included)."""
+    w = lm_head.weight  # (V, C)
+    if x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
+        return lm_head(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), w.float())  # (a transient fp32 copy of a bf16 head: memory.py counts it)
+
+
 def token_logp(hidden, targets, lm_head, temperature):
     """hidden (n, C), targets (n,) -> log p(target) (n,) with grad, entropy (n,) without."""
-    logits = lm_head(hidden).float()  # (n, V): one chunk's worth only
+    logits = head_logits(lm_head, hidden)  # (n, V) fp32: one chunk's worth only
     if temperature != 1:
         logits = logits / temperature
     logz = logits.logsumexp(-1)
@@ -430,7 +443,7 @@ class Transformer(nn.Module):
             cache.length += T
         x = self.norm(x)
         if targets is None:
-            return self.lm_head(x[:, -1:] if last_only else x).float()
+            return head_logits(self.lm_head, x[:, -1:] if last_only else x)
         # chunks of the flattened (row, position) pairs, each recomputed in backward: neither pass holds (B, T, V)
         # fp32 logits. (token_logp draws no random numbers: the RNG states need no stashing for the recompute)
         n = logits_chunk_tokens(self.config.vocab_size)

@@ -96,6 +96,42 @@ def test_model_keeps_logits_and_norm_statistics_fp32_under_autocast(init_dir):
     assert (model.layers[0].input_layernorm(norm_in).float() - ref).abs().max() < 1e-2
 
 
+def _final_hidden(model, tokens, **kw):
+    """model(tokens, **kw) and the final norm's output (B, T, C), the LM head's input, as it was computed."""
+    seen = []
+    hook = model.norm.register_forward_hook(lambda m, args, out: seen.append(out.detach()))
+    out = model(tokens, **kw)
+    hook.remove()
+    return out, seen[0]
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16 weights"])
+def test_lm_head_and_log_softmax_run_in_fp32(init_dir, mode):
+    """#48 item 4: the logits are an fp32 product of the head's input as the model computed it (fp32 under autocast,
+    bf16 with bf16 weights, as FSDP2's MixedPrecisionPolicy gathers them) and the head's weight, never a bf16 one
+    rounded to bf16 (a step of 0.125 at logits of 16-32); the log-probs are their fp32 log-softmax. common.autocast
+    says so in its docstring."""
+    model = load_model(init_dir)
+    if mode == "bf16 weights":
+        model = model.to(torch.bfloat16)
+    ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ctx():
+        logits, h = _final_hidden(model, tokens)
+        (logp, _), h2 = _final_hidden(model, tokens, targets=tokens)
+    w = model.lm_head.weight
+    want = torch.nn.functional.linear(h.float(), w.float())  # fp32, outside autocast
+    bf16 = torch.nn.functional.linear(h.bfloat16(), w.bfloat16()).float()  # what a bf16 head computes
+    assert logits.dtype == logp.dtype == torch.float32
+    assert torch.equal(logits, want)
+    assert not torch.equal(logits, bf16)
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bf16 on the way
+    z = torch.nn.functional.linear(h2.flatten(0, 1).float(), w.float())  # (B T, V)
+    want_logp = (z.gather(-1, tokens.flatten()[:, None])[:, 0] - z.logsumexp(-1)).view(2, 12)
+    assert torch.equal(logp, want_logp)
+    assert "keeps logits, log-softmax and RMSNorm statistics in fp32" in " ".join(common.autocast.__doc__.split())
+
+
 GRPO = ["--steps", "1", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "4", "--max_new_tokens", "16",
         "--reward_weights", "overlong=1", "--eval_every", "0", "--lr", "1e-3", "--warmup", "1"]  # fmt: skip
 

@@ -20,14 +20,16 @@ def param_count(cfg: ModelConfig) -> int:
     return cfg.vocab_size * C + cfg.num_hidden_layers * block + C + head
 
 
-def block_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+def block_activation_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, expanded_kv: bool = False) -> int:
     """What autograd keeps for backward in one Block over `tokens` (row, position) pairs: per token the block
     input, both norms' inputs and outputs (the norm statistics in fp32), q/k/v, attention's output twice (as SDPA
     returns it and reshaped for o_proj) and its logsumexp, and SwiGLU's four intermediate-size tensors (gate, silu,
-    up, product). tests/test_memory.py checks it against autograd's saved-tensor hooks."""
+    up, product). expanded_kv: SDPA's K/V expanded to the query heads (model.expand_kv: on CUDA). tests/test_memory.py
+    and tests/test_gpu_paths.py check it against autograd's saved-tensor hooks."""
     C, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     HD, KD = H * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_token = (4 * C + 3 * HD + HD + 2 * KD + 4 * I) * dtype_bytes + (H + 2) * 4
+    per_token += 2 * (HD - KD) * dtype_bytes if expanded_kv else 0
     per_token += 2 * C * (4 - dtype_bytes)  # the norms normalise an fp32 copy of their input
     return tokens * per_token
 
@@ -73,6 +75,7 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     dist "fsdp" shards the state over world_size ranks; "ddp" keeps replicas plus its gradient buckets.
     lora_rank > 0: only the adapters (fp32) have gradients and AdamW state, the frozen base is held in base_bytes
     (0 = param_bytes) and the KL reference is the base itself (pass reference=False).
+    cpu False: a CUDA run (no runtime term; grouped-query attention with K/V expanded, model.expand_kv).
     Live tensors only: allocator caching, the CUDA context and communication buffers come on top; on CPU
     `runtime` stands for the interpreter, torch, the tokenizer and the data."""
     P = param_count(cfg)
@@ -100,7 +103,8 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     # recomputes one block at a time; either way backward adds about one block's worth of gradients in flight
     micro = min(rows, max_rows or rows, max(max_tokens // seq, 1) if max_tokens else rows)
     n = micro * seq
-    one_block = block_activation_bytes(cfg, n, compute_bytes)
+    expanded = not cpu and cfg.num_attention_heads != cfg.num_key_value_heads  # model.expand_kv, at its worst
+    one_block = block_activation_bytes(cfg, n, compute_bytes, expanded)
     if lora_rank:
         one_block += lora_activation_bytes(cfg, n, compute_bytes, lora_rank, lora_targets, lora_dropout)
     head_input = n * 2 * C * 4 + n * C * compute_bytes  # the final norm's fp32 input and its output

@@ -259,13 +259,34 @@ class KVCache:
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
 
+def expand_kv(device_type: str, dtype, heads: int, kv_heads: int, masked: bool) -> bool:
+    """sdpa's rule: give SDPA keys and values expanded to the query heads (repeat_interleave) rather than
+    enable_gqa=True, on CUDA where a grouped-query call has a mask or runs in fp32 (transformers' sdpa_attention
+    expands for a mask too). Flash attention takes neither a mask nor fp32, and the memory-efficient kernel takes
+    no GQA in most torch releases pyproject allows (2.6 on): such a call falls to the math kernel, which keeps
+    (B, H, T, S) fp32 scores for backward (~0.6 GB a layer at the README's 1.5B recipe). Expanded, the
+    memory-efficient kernel takes it, for 2 (H - Hkv) S D more values (memory.block_activation_bytes counts
+    them). The CPU keeps enable_gqa: its kernel takes both."""
+    return device_type == "cuda" and heads != kv_heads and (masked or dtype == torch.float32)
+
+
+def sdpa(q, k, v, mask=None, is_causal=False):
+    """F.scaled_dot_product_attention over grouped-query heads, for every SDPA call of minigrpo's forward.
+    q (B, H, T, D); k, v (B, Hkv, S, D); mask additive (B or 1, 1, T, S) or None -> (B, H, T, D)"""
+    H, Hkv, dev = q.shape[1], k.shape[1], q.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype  # what SDPA computes in
+    if expand_kv(dev, dtype, H, Hkv, mask is not None):
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)  # (B, H, S, D) each
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+
+
 def attention(q, k, v, mask):
     """The one masked attention. q (B, T, H, D); k, v (B, Hkv, S, D), each kv head serving H / Hkv query heads;
     mask additive (B or 1, 1, T, S), or None: causal (T == S) or, for one query, every key. -> (B, T, H, D)"""
     B, T, H, D = q.shape
     if T > 1:
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=True)  # (B, H, T, D)
+        y = sdpa(q.transpose(1, 2), k, v, mask, is_causal=mask is None)  # (B, H, T, D)
         return y.transpose(1, 2)
     q = q.view(B, k.shape[1], -1, D)  # one query: a kv head's query heads act as queries of it (B, Hkv, H / Hkv, D)
     if q.device.type != "cpu":

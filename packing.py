@@ -13,10 +13,9 @@
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from common import all_reduce_named
-from model import additive_mask
+from model import additive_mask, sdpa
 
 
 def training_batch(prompts: list[list[int]], comp: torch.Tensor, n_comp: list[int], pad_id: int):
@@ -177,12 +176,10 @@ class Packed(NamedTuple):
         B, T, _, D = q.shape
         seg = lambda x, at: x.reshape(B * T, -1, D).index_select(0, at.flatten()).unflatten(
             0, at.shape).transpose(1, 2)  # (B, T, h, D) -> (n, h, L, D) at (n, L) flat positions
-        ys = [F.scaled_dot_product_attention(seg(q, self.own), seg(k, self.own), seg(v, self.own), is_causal=True,
-                                             enable_gqa=True)]
+        ys = [sdpa(seg(q, self.own), seg(k, self.own), seg(v, self.own), is_causal=True)]  # (n, H, L, D)
         if self.shared is not None:
             at, keys, bias = self.shared
-            ys.append(F.scaled_dot_product_attention(seg(q, at), seg(k, keys), seg(v, keys), attn_mask=bias.to(q.dtype),
-                                                     enable_gqa=True))  # (m, H, Lq, D)
+            ys.append(sdpa(seg(q, at), seg(k, keys), seg(v, keys), bias.to(q.dtype)))  # (m, H, Lq, D)
         return torch.cat([y.transpose(1, 2).flatten(0, 1) for y in ys]).index_select(0, self.inv)  # (B T, H, D)
 
 

@@ -1,0 +1,98 @@
+"""The CUDA-only branches of the forward, probed on the CPU (#48): which arguments SDPA gets on CUDA, what the
+memory estimate counts for them, and the per-step peak memory."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+from memory import block_activation_bytes
+from packing import packed_attention
+from tests.test_memory import _saved_bytes
+
+BF16, FP32 = torch.bfloat16, torch.float32
+CFG = dict(model_type="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(**kw) -> M.Transformer:
+    torch.manual_seed(0)
+    m = M.Transformer(M.ModelConfig(**{**CFG, **kw}))
+    for p in m.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+def test_expand_kv_rule():
+    """#48 item 1, the dispatch rule: on CUDA a grouped-query call with a mask (flash takes none) or in fp32 (flash
+    takes none) gets its K/V heads expanded, so the memory-efficient kernel can take it instead of the math one;
+    a causal bf16 one keeps enable_gqa (flash takes it); the CPU and equal head counts are left alone."""
+    assert M.expand_kv("cuda", BF16, 12, 2, masked=True)
+    assert M.expand_kv("cuda", FP32, 12, 2, masked=False)
+    assert not M.expand_kv("cuda", BF16, 12, 2, masked=False)
+    assert not M.expand_kv("cuda", BF16, 12, 12, masked=True)
+    assert not M.expand_kv("cpu", BF16, 12, 2, masked=True) and not M.expand_kv("cpu", FP32, 12, 2, masked=True)
+
+
+def _inputs():
+    """Three forwards that attend with a mask: padded rows, packed segments, packed rows sharing a prompt."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 61, (2, 12), generator=g)
+    pad = torch.ones(2, 12, dtype=torch.bool)
+    pad[1, :3] = False  # row 1 left-padded
+    seg = torch.tensor([[0] * 5 + [5] * 7, [12] * 12])
+    pos = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+    # row 0: a prompt (id 0) and two continuations of it (ids 4, 8); row 1: a sequence alone
+    shared = packed_attention(torch.tensor([[0] * 4 + [4] * 4 + [8] * 4, [12] * 12]),
+                              torch.tensor([[0] * 12, [12] * 12]))
+    spos = torch.tensor([list(range(8)) + list(range(4, 8)), list(range(12))])
+    return [dict(tokens=x, attn_mask=pad), dict(tokens=x, input_pos=pos, segments=seg),
+            dict(tokens=x, input_pos=spos, segments=shared)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_branch_gives_sdpa_equal_heads_where_masked(monkeypatch, dtype):
+    """#48 item 1, the call: with the rule answering as on CUDA, every masked (and every fp32) SDPA call of the
+    training forwards gets K/V with the query's head count and no enable_gqa; the outputs equal the enable_gqa
+    ones (as the CPU computes them)."""
+    model = _model()
+    ctx = lambda: torch.autocast("cpu", dtype=BF16, enabled=dtype == "bfloat16")
+    with torch.no_grad(), ctx():
+        want = [model(**kw) for kw in _inputs()]
+    calls, real_sdpa, real_rule = [], F.scaled_dot_product_attention, M.expand_kv
+
+    def record(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        calls.append((q.shape[1], k.shape[1], v.shape[1], attn_mask is not None, enable_gqa))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    monkeypatch.setattr(M, "expand_kv", lambda device, *a, **k: real_rule("cuda", *a, **k), raising=False)
+    with torch.no_grad(), ctx():
+        got = [model(**kw) for kw in _inputs()]
+    masked = [c for c in calls if c[3]]
+    assert len(masked) >= 3 * 2  # each forward, each layer
+    for H, Hk, Hv, has_mask, gqa in calls:
+        if has_mask or dtype == "float32":
+            assert (Hk, Hv, gqa) == (H, H, False), calls
+        else:  # causal bf16: flash attention takes GQA itself
+            assert (Hk, gqa) == (2, True)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_estimate_counts_the_expanded_kv(monkeypatch):
+    """What autograd keeps for backward in one block when K/V are expanded (the fp32 CUDA forward), against
+    block_activation_bytes(expanded_kv=True): a 2-block model's saved bytes minus a 1-block one's."""
+    cfg = M.ModelConfig(**CFG)
+    real_rule = M.expand_kv
+    monkeypatch.setattr(M, "expand_kv", lambda device, *a, **k: real_rule("cuda", *a, **k), raising=False)
+    x = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(1))
+    saved = []
+    for layers in (2, 1):
+        model = _model()
+        model.layers = model.layers[:layers]
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved.append(_saved_bytes(lambda m=model: m(x), exclude=params)[0])
+    want = block_activation_bytes(cfg, 3 * 40, 4, expanded_kv=True)
+    assert want > block_activation_bytes(cfg, 3 * 40, 4)
+    assert abs((saved[0] - saved[1]) - want) <= 0.02 * want, (saved[0] - saved[1], want)

@@ -166,9 +166,16 @@ def all_reduce_named(values: dict, ops: dict | None = None) -> dict:
     return out
 
 
+def reset_peak_mem(device):
+    """Start a new peak for peak_mem_mb: at each step's start, so a step's mem_peak_mb is that step's own (not the
+    loading transients' or an earlier step's). CUDA only: on the CPU the peak stays the process's so far."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_mem_mb(device) -> float:
-    """Peak memory of this process so far, in MiB: allocated CUDA memory on a CUDA device (the caching allocator's
-    high-water mark), else the peak resident set size (Linux reports KiB)."""
+    """Peak memory in MiB: on a CUDA device allocated memory since the last reset_peak_mem (the caching
+    allocator's high-water mark), else the process's peak resident set size so far (Linux reports KiB)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource

@@ -67,6 +67,7 @@ from common import (
     peak_mem_mb,
     permutation_stream,
     print0,
+    reset_peak_mem,
     resumed_clocks,
     seed_all,
     set_lr,
@@ -656,6 +657,7 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
     metrics (reduced over ranks). -> metrics, the completions' texts and scores, their problems, and the
     seconds of the step's parts (metrics' t_generate, t_score, t_train: this step's update)."""
     t0 = time.perf_counter()
+    reset_peak_mem(d.device)  # mem_peak_mb: this step's
     lr = set_lr(opt, step, cfg)
     eos_ids, pad_id = stop_ids
     first, mine = step_prompts(step, order, cfg, d)

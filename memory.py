@@ -98,6 +98,13 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     # parameters gathered from forward to backward; the sampler gathers the whole model
     gathered_train = (2 * block + outside) * compute_bytes if sharded else 0
     gathered_gen = P * compute_bytes if sharded else 0
+    # torch.autocast over fp32 weights (one device, DDP) keeps a bf16 copy of every trainable weight it casts, the
+    # blocks' projections and their biases (or the LoRA adapters), from the first use to the context's exit:
+    # through generation, and through forward and backward. (The head runs in fp32: model.head_logits. Frozen
+    # fp32 weights are cast again at each call, one at a time.)
+    norms = 2 * C + 2 * cfg.head_dim * (cfg.model_type == "qwen3")  # per block, never cast
+    autocast = compute_bytes == 2 and not sharded and tb == 4
+    est["autocast_copies"] = (lora if lora_rank else L * (block - norms)) * 2 if autocast else 0
 
     # training, the largest micro-batch of n tokens. Checkpointed, each block keeps only its input, and backward
     # recomputes one block at a time; either way backward adds about one block's worth of gradients in flight
@@ -118,13 +125,13 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
     # second on, all gradients exist alongside the activations
     grads_live = est["gradients"] if rows > micro or lora_rank else head_grad / shard
-    train = est["activations"] + est["logits_chunk"] + grads_live + gathered_train
+    train = est["activations"] + est["logits_chunk"] + grads_live + gathered_train + est["autocast_copies"]
 
     # generation: the KV cache (each prompt's prefill cache, copied to its samples) and one decode step's logits
     kv_per_slot = 2 * L * cfg.num_key_value_heads * cfg.head_dim * compute_bytes
     est["kv_cache"] = kv_per_slot * (gen_rows * (prompt_len + new_tokens) + gen_prompts * prompt_len)
     prefill = block_activation_bytes(cfg, gen_prompts * prompt_len, compute_bytes) // 2  # no grad: one layer
-    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + head_copy + gathered_gen
+    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + head_copy + gathered_gen + est["autocast_copies"]
 
     # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
     largest = max(max(lora_shapes(cfg)[t]) for t in lora_targets) * lora_rank if lora_rank else max(V * C, block)
@@ -144,7 +151,8 @@ def format_memory(est: dict) -> str:
     """The estimate in one line (GB), printed at the start of every sft/grpo run."""
     names = {"weights": "weights", "gradients": "gradients", "optimizer": "AdamW", "reference": "reference",
              "ddp_buckets": "DDP buckets", "fsdp_gathered": "FSDP gathered", "activations": "activations",
-             "logits_chunk": "logits chunk", "kv_cache": "KV cache", "runtime": "runtime"}
+             "logits_chunk": "logits chunk", "kv_cache": "KV cache", "autocast_copies": "autocast copies",
+             "runtime": "runtime"}
     parts = [f"{label} {est[k] / 1e9:.2f}" for k, label in names.items() if est[k] > 0]
     other = "without" if est["activation_checkpointing"] else "with"
     return (f"memory estimate per rank: {est['peak'] / 1e9:.2f} GB at its peak ({est['phase']}); GB: "

@@ -99,6 +99,7 @@ from common import (
     peak_mem_mb,
     permutation_stream,
     print0,
+    reset_peak_mem,
     resumed_clocks,
     seed_all,
     set_lr,
@@ -476,6 +477,7 @@ def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, 
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
+        reset_peak_mem(d.device)  # mem_peak_mb: this step's
         lr = set_lr(opt, step, cfg)
         batch = [order(i) for i in range((step - 1) * cfg.global_batch, step * cfg.global_batch)]
         n_tok = sum(n_targets[i] for i in batch)  # loss tokens in the global batch (no communication)

@@ -5,8 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import common
+import grpo
 import model as M
-from memory import block_activation_bytes
+import sft
+from memory import block_activation_bytes, format_memory, lora_param_count, memory_estimate
 from packing import packed_attention
 from tests.test_memory import _saved_bytes
 
@@ -96,3 +99,49 @@ def test_estimate_counts_the_expanded_kv(monkeypatch):
     want = block_activation_bytes(cfg, 3 * 40, 4, expanded_kv=True)
     assert want > block_activation_bytes(cfg, 3 * 40, 4)
     assert abs((saved[0] - saved[1]) - want) <= 0.02 * want, (saved[0] - saved[1], want)
+
+
+# -----------------------------------------------------------------------------
+# #48 item 5: memory
+
+
+def test_peak_memory_is_reset_at_each_step(monkeypatch, tiny_dir, tmp_path):
+    """mem_peak_mb is the step's own: each SFT and GRPO step starts a new peak (on CUDA the allocator's,
+    torch.cuda.reset_peak_memory_stats; mocked here), so it is neither monotone nor the loading transients'."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    common.reset_peak_mem(torch.device("cuda", 0))
+    common.reset_peak_mem("cpu")  # the CPU's peak is the process's: nothing to reset
+    assert resets == [torch.device("cuda", 0)]
+    calls = []
+    for mod in (sft, grpo):
+        monkeypatch.setattr(mod, "reset_peak_mem", lambda device: calls.append(device), raising=False)
+    fast = ["--task", "arith", "--split", "train[:16]", "--max_new_tokens", "8", "--eval_every", "0"]
+    sft.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "sft"), *fast, "--global_batch", "2",
+              "--steps", "3", "--stop_pass1", "0"])
+    assert len(calls) == 3
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "grpo"), *fast, "--prompts_per_step", "2",
+               "--group_size", "2", "--steps", "2", "--reward_weights", "overlong=1"])
+    assert len(calls) == 5
+
+
+def test_estimate_counts_autocasts_weight_copies():
+    """Autocast over fp32 weights (one device, DDP) holds a bf16 copy of each trainable projection weight and bias
+    from forward through backward and through generation. CFG by hand: per block q 32x32 + 32, k and v 16x32 + 16
+    each, o 32x32, gate / up / down 48x32 each: 7744 values, 2 blocks, 2 bytes each."""
+    cfg = M.ModelConfig(**CFG)
+    shapes = dict(rows=4, seq=40, gen_rows=4, gen_prompts=2, prompt_len=10, new_tokens=30, cpu=False)
+    assert 7744 == 32 * 32 + 32 + 2 * (16 * 32 + 16) + 32 * 32 + 3 * 48 * 32
+    est = memory_estimate(cfg, **shapes, compute_bytes=2)
+    assert est["autocast_copies"] == 7744 * 2 * 2
+    model = _model()
+    cast = sum(p.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    assert est["autocast_copies"] == 2 * cast
+    fp32 = memory_estimate(cfg, **shapes)
+    assert fp32["autocast_copies"] == 0 and est["peak"] > 0
+    assert memory_estimate(cfg, **shapes, compute_bytes=2, param_bytes=2)["autocast_copies"] == 0  # bf16 weights
+    fsdp = memory_estimate(cfg, **shapes, compute_bytes=2, world_size=2, dist="fsdp")  # MixedPrecisionPolicy casts
+    assert fsdp["autocast_copies"] == 0
+    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2)  # the adapters alone train
+    assert lora["autocast_copies"] == 2 * lora_param_count(cfg, 2)
+    assert "autocast copies" in format_memory(est)

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The GPU acceptance run (#13): logits vs transformers, sampler tok/s vs transformers and the bandwidth bound, the
-# decode modes (growing, shared prompt, compiled, fused) at GRPO's shape, SFT and GRPO steps of the
-# Qwen2.5-1.5B shape, plain and FSDP2 on one rank; one JSON file and a table. Prepared to finish in ~10 minutes on
-# one H200 (not yet run on one). `scripts/gpu_check.sh --tiny` runs the same on the CPU at toy shapes (a test does).
-#   scripts/gpu_check.sh [--out gpu_check.json] [--hbm_gbs 4800] [--only logits,sampler,decode,train]
-#   scripts/gpu_check.sh --out "$OUT/gpu_check.json"    # on a lent device machine: the JSON comes back
-# Needs ~30 GB of free disk (model dirs, one 1.5B checkpoint at a time) and ~60 GB of GPU memory.
+# The GPU acceptance run (#13, #48): logits vs transformers; no SDPA call of a GRPO micro-batch, a padded batch or a
+# decode on the math kernel; sampler tok/s vs transformers and the bandwidth bound; the decode modes at GRPO's
+# shape; SFT and GRPO steps of the Qwen2.5-1.5B shape, plain and FSDP2 on one rank. Every part's rows are appended
+# to --out (JSON lines) and OUT.md (a markdown table) as soon as it ends. `--tiny`: the same on the CPU at toy
+# shapes (a test runs it). On one H100 (15 minutes of device time, start-up included), two commands:
+#   scripts/gpu_check.sh --only logits,kernels,sampler,decode --out "$OUT/gpu_check.jsonl"   # ~4 min
+#   scripts/gpu_check.sh --only train --out "$OUT/gpu_check.jsonl"                            # ~4 min
+# Estimated, not measured: model dirs ~10 s each (3 shapes, bf16); logits ~1 min (2 models, 2 loads each);
+# kernels ~20 s; sampler ~1.5 min (2 models x 2 batches x warm-up + 2 runs, 128 tokens, ours and HF's generate);
+# decode ~1 min (3 modes x 3 runs of 64 rows x 128 tokens); train 4 runs of 5 steps at 1.5B, each ~45-60 s with
+# its start (no checkpoint written: --save_checkpoints writes them, ~25 GB each). Needs ~8 GB of free disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python scripts/gpu_check.py "$@"

@@ -5,7 +5,7 @@
 
 from common import DTYPES
 from lora import LORA_TARGETS
-from model import ModelConfig, logits_chunk_tokens
+from model import HEAD_COPY_BYTES, ModelConfig, logits_chunk_tokens
 
 RUNTIME_CPU_BYTES = 0.5e9  # memory_estimate: the interpreter, torch, a tokenizer and the data, on CPU
 EVAL_BATCH = 32  # prompts per sampler call in an eval: eval.py's --batch_size default, sft/grpo's in-loop evals
@@ -120,7 +120,8 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     # one log-prob chunk in backward: logits, their softmax and gradient (fp32), and the head's weight gradient.
     # A bf16 head (bf16 weights, FSDP2's bf16 gathering) runs on an fp32 copy (model.head_logits), whose gradient
     # is fp32 too before it is cast back
-    head_copy = V * C * 4 if compute_bytes == 2 and (sharded or (base_bytes or param_bytes) == 2) else 0
+    bf16_head = compute_bytes == 2 and (sharded or (base_bytes or param_bytes) == 2)
+    head_copy = V * C * 4 if bf16_head else 0
     est["logits_chunk"] = 3 * min(logits_chunk_tokens(V), n) * V * 4 + head_grad + head_copy * (1 + (not lora_rank))
     # one micro-batch: the gradients take the place of the activations as backward frees them; several: from the
     # second on, all gradients exist alongside the activations
@@ -131,7 +132,8 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     kv_per_slot = 2 * L * cfg.num_key_value_heads * cfg.head_dim * compute_bytes
     est["kv_cache"] = kv_per_slot * (gen_rows * (prompt_len + new_tokens) + gen_prompts * prompt_len)
     prefill = block_activation_bytes(cfg, gen_prompts * prompt_len, compute_bytes) // 2  # no grad: one layer
-    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + head_copy + gathered_gen + est["autocast_copies"]
+    head_slice = min(HEAD_COPY_BYTES, V * C * 4) if bf16_head else 0  # no grad: a slice of the copy at a time
+    gen = est["kv_cache"] + max(prefill, 5 * gen_rows * V * 4) + head_slice + gathered_gen + est["autocast_copies"]
 
     # optimizer step: CUDA's multi-tensor AdamW holds a temporary the size of the state, CPU's one per tensor
     largest = max(max(lora_shapes(cfg)[t]) for t in lora_targets) * lora_rank if lora_rank else max(V * C, block)

@@ -26,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 # and never fewer than MIN_CHUNK_TOKENS pairs (a tiny chunk would run the lm_head as hundreds of thin matmuls)
 LOGITS_CHUNK = 2**24
 MIN_CHUNK_TOKENS = 64
+# head_logits without gradients: a bf16 head's fp32 copy is made a slice of the vocabulary at a time, this many bytes
+HEAD_COPY_BYTES = 2**28
 
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -377,12 +379,17 @@ def head_logits(lm_head, x):
     weights: FSDP2's MixedPrecisionPolicy, --weights_dtype bfloat16) would round them to bf16, a step of 0.125 at
     logits of 16-32: noise in every log-prob and importance ratio. So the head runs outside autocast on fp32 copies
     (bf16 -> fp32 is exact: the product of the values as they are, summed in fp32). An fp32 call is the plain one
-    (the same kernel, fast.use_onednn's included)."""
+    (the same kernel, fast.use_onednn's included). The fp32 copy of a bf16 head is whole where autograd keeps it
+    for backward, else made HEAD_COPY_BYTES at a time (memory.py counts both)."""
     w = lm_head.weight  # (V, C)
     if x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
         return lm_head(x)
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.float(), w.float())  # (a transient fp32 copy of a bf16 head: memory.py counts it)
+        x = x.float()
+        if w.dtype == torch.float32 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+            return F.linear(x, w.float())
+        rows = max(HEAD_COPY_BYTES // (4 * w.shape[1]), 1)  # vocabulary rows per slice
+        return torch.cat([F.linear(x, part.float()) for part in w.split(rows)], -1)  # sampling, the reference
 
 
 def token_logp(hidden, targets, lm_head, temperature):

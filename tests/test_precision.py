@@ -132,6 +132,30 @@ def test_lm_head_and_log_softmax_run_in_fp32(init_dir, mode):
     assert "keeps logits, log-softmax and RMSNorm statistics in fp32" in " ".join(common.autocast.__doc__.split())
 
 
+def test_bf16_head_without_grad_is_cast_a_slice_at_a_time(init_dir, monkeypatch):
+    """Sampling and the reference (no gradients): a bf16 head's fp32 copy is made a few vocabulary rows at a time,
+    not whole; the logits are the whole fp32 product's, to fp32 rounding (a GEMM's blocking depends on its
+    shape), far from a bf16 product's."""
+    import model as M
+
+    model = load_model(init_dir).to(torch.bfloat16)
+    C = model.config.hidden_size
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    sizes = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(M.F, "linear", lambda x, w, b=None: sizes.append(w.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(M, "HEAD_COPY_BYTES", 4 * C * 7)  # 7 rows of the vocabulary a slice
+    with torch.no_grad():
+        logits, h = _final_hidden(model, tokens)
+    with torch.no_grad():
+        want = real(h.float(), model.lm_head.weight.float())
+        bf16 = real(h, model.lm_head.weight).float()
+    assert (logits - want).abs().max() <= 1e-6 * want.abs().max() < (bf16 - want).abs().max()
+    n = -(-model.config.vocab_size // 7)
+    head = sizes[-n:]  # the head's calls: the model's last
+    assert max(head) == 7 and sum(head) == model.config.vocab_size
+
+
 GRPO = ["--steps", "1", "--prompts_per_step", "4", "--group_size", "4", "--gen_batch", "4", "--max_new_tokens", "16",
         "--reward_weights", "overlong=1", "--eval_every", "0", "--lr", "1e-3", "--warmup", "1"]  # fmt: skip
 

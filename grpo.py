@@ -304,8 +304,9 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
             device) -> Rollout:
     """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call.
     prompts[0] is the step's global prompt number `first`. Each prompt's G rows draw their sampling
-    noise from their own generator, seeded from (seed, step, global prompt number), so any world
-    size and any --gen_batch split draws the same samples."""
+    noise from their own generator, seeded from (seed, step, global prompt number), so on the CPU any
+    world size and any --gen_batch split draws the same samples (on CUDA the same noise, over logits that differ
+    to rounding between batch shapes)."""
     model.eval()
     parts = []
     for c in range(0, len(prompts), cfg.gen_batch):

@@ -168,3 +168,31 @@ def test_sft_grpo_eval_on_a_second_device(second_device, tiny_dir, tmp_path):
     eval_lib.main(["--model", str(tmp_path / "grpo"), "--out_dir", str(tmp_path / "eval"), "--task", "arith",
                    "--split", "test[:3]", "--max_new_tokens", "8", "--samples", "2", "--batch_size", "2"])
     assert (tmp_path / "eval" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("flags", [["--share_prompt", "false"], ["--lora_rank", "2", "--beta", "0.1"]],
+                         ids=["packed-segments", "lora"])
+def test_grpo_paths_on_a_second_device(second_device, tiny_dir, tmp_path, flags):
+    """#48 item 2: the paths the default run does not take. --share_prompt false: the training batch without
+    shared prompts (packed by segment ids where sequences fit: test_packed_forward_on_a_second_device); LoRA with
+    the base as the KL reference (lora_A made on the CPU, without device=, fails here: checked by mutation)."""
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "grpo"), *FAST, "--prompts_per_step", "2",
+               "--group_size", "4", "--gen_batch", "2", "--reward_weights", "overlong=1", "--eval_every", "0",
+               "--steps", "1", *flags])  # fmt: skip
+    assert (tmp_path / "grpo" / "metrics.jsonl").is_file()
+
+
+def test_packed_forward_on_a_second_device(second_device, tiny_dir):
+    """#48 item 2: a forward and backward over packed rows masked by segment ids (grpo.py --share_prompt false packs
+    rows so where sequences fit; the tiny GRPO runs above rarely do), on the device: the causal mask
+    model.attention_mask builds must be made there (a torch.ones(T, T) without device= fails here: checked by
+    mutation)."""
+    from hf import load_model
+
+    model = load_model(tiny_dir).to(DEV)
+    tokens = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEV)
+    seg = torch.tensor([[0] * 5 + [5] * 7, [12] * 12]).to(DEV)
+    pos = torch.tensor([list(range(5)) + list(range(7)), list(range(12))]).to(DEV)
+    logp, _ = model(tokens, input_pos=pos, segments=seg, targets=tokens)
+    logp.sum().backward()
+    assert logp.device == DEV and model.lm_head.weight.grad.device == DEV

@@ -211,10 +211,11 @@ def check_kernels(name, device, tiny) -> list[dict]:
 
 
 def decode_bytes(cfg: ModelConfig, n_params: int, batch: int, context: float) -> float:
-    """Bytes one decode step reads: every bf16 weight once (the embedding lookup reads a row; a tied embedding is
-    read as the head anyway), plus the bf16 K and V of `context` cached positions for every row."""
+    """Bytes one decode step reads: every weight once, in bf16 (autocast's cached copies) but the head in fp32
+    (model.head_logits: fp32 logits; the embedding lookup reads a row, and a tied embedding is read as the head
+    anyway), plus the bf16 K and V of `context` cached positions for every row."""
     kv = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * cfg.head_dim * 2
-    return 2 * n_params + kv
+    return 2 * n_params + 2 * cfg.vocab_size * cfg.hidden_size + kv
 
 
 def bench_sampler(name, path, device, tiny, gbs) -> list[dict]:

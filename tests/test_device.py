@@ -182,12 +182,17 @@ def test_grpo_paths_on_a_second_device(second_device, tiny_dir, tmp_path, flags)
     assert (tmp_path / "grpo" / "metrics.jsonl").is_file()
 
 
-def test_packed_forward_on_a_second_device(second_device, tiny_dir):
+@pytest.mark.parametrize("expand", [False, True], ids=["enable_gqa", "expanded-kv"])
+def test_packed_forward_on_a_second_device(second_device, tiny_dir, monkeypatch, expand):
     """#48 item 2: a forward and backward over packed rows masked by segment ids (grpo.py --share_prompt false packs
     rows so where sequences fit; the tiny GRPO runs above rarely do), on the device: the causal mask
     model.attention_mask builds must be made there (a torch.ones(T, T) without device= fails here: checked by
-    mutation)."""
+    mutation). expanded-kv: with K/V expanded to the query heads before SDPA, as on CUDA (model.expand_kv)."""
+    import model as M
     from hf import load_model
+
+    if expand:
+        monkeypatch.setattr(M, "expand_kv", lambda *a: True)
 
     model = load_model(tiny_dir).to(DEV)
     tokens = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEV)

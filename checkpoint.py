@@ -113,9 +113,27 @@ def find_latest(run_dir) -> Path | None:
         ckpt = _complete_copy(run_dir, name)
         if ckpt is not None:
             return ckpt
-    names = {p.name for p in run_dir.glob("step_*")} | {p.name[5:] for p in _restorable(run_dir)}
-    done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names)) if c is not None]
+    names = {p.name for p in _checkpoints(run_dir)} | {p.name[5:] for p in _restorable(run_dir)}
+    done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names, key=_step_of)) if c is not None]
     return done[-1] if done else None
+
+
+def _checkpoints(run_dir: Path, prefix: str = "") -> list[Path]:
+    """The checkpoints minigrpo wrote in run_dir, oldest first: dirs named step_N exactly as save_checkpoint names
+    them, holding a progress.json. Nothing else is pruned, dropped or resumed from, nor takes a --keep slot (a user's
+    step_000002_backup/ or step_notes/). prefix ".tmp_", ".old_", ".del_": the dirs of an interrupted save or delete,
+    .{prefix}step_N, complete or not."""
+    found = [p for p in run_dir.glob(f"{prefix}step_*") if _is_step_name(p.name[len(prefix):])
+             and p.is_dir() and not p.is_symlink() and (prefix or is_checkpoint(p))]  # fmt: skip
+    return sorted(found, key=lambda p: _step_of(p.name[len(prefix):]))
+
+
+def _is_step_name(name: str) -> bool:
+    return bool(STEP_NAME.fullmatch(name)) and name == f"step_{_step_of(name):06d}"  # not step_0000001
+
+
+def _step_of(name: str) -> int:
+    return int(name.removeprefix("step_"))
 
 
 def _read_latest(run_dir: Path) -> str | None:
@@ -145,7 +163,7 @@ def _complete_copy(run_dir: Path, name: str) -> Path | None:
 
 def _restorable(run_dir: Path) -> list[Path]:
     """Complete .old_step_N copies whose step_N is missing: a re-save of step N cut between its two renames."""
-    return [p for p in sorted(run_dir.glob(".old_step_*")) if is_checkpoint(p) and not (run_dir / p.name[5:]).exists()]
+    return [p for p in _checkpoints(run_dir, ".old_") if is_checkpoint(p) and not (run_dir / p.name[5:]).exists()]
 
 
 def is_checkpoint(path) -> bool:
@@ -204,7 +222,7 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
         _fsync_dir(run_dir)
         _write_latest(run_dir, name)
         shutil.rmtree(old, ignore_errors=True)
-        for stale in sorted(run_dir.glob("step_*"))[:-keep] if keep > 0 else []:
+        for stale in _checkpoints(run_dir)[:-keep] if keep > 0 else []:
             if stale.name != name:
                 _remove_dir(stale)
     barrier()
@@ -543,7 +561,7 @@ def _stage(cfg) -> str:
 
 def _has_run(out: Path) -> bool:
     metrics = out / "metrics.jsonl"
-    return (out / "latest").exists() or any(out.glob("step_*")) or (metrics.is_file() and metrics.stat().st_size > 0)
+    return (out / "latest").exists() or bool(_checkpoints(out)) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 def _same(a, b) -> bool:
@@ -669,15 +687,15 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
                   "uninterrupted run only to rounding)" if saved_world != d.world_size else ""))  # fmt: skip
     if d.is_main:
         mark_run_dir(out, _stage(cfg))
-        doomed = [path for pattern in (".tmp_step_*", ".old_step_*", ".del_step_*", ".tmp_model")
-                  for path in out.glob(pattern)]  # interrupted saves / deletes / publishes
+        doomed = [path for prefix in (".tmp_", ".old_", ".del_") for path in _checkpoints(out, prefix)]
+        doomed += [path for path in (out / ".tmp_model", out / ".tmp_adapter") if path.is_dir()]  # interrupted
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*_step_dirs(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # what a run writes
+            doomed += [*_checkpoints(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # a run's
             for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
-        newer = [path for path in _step_dirs(out) if path.name > f"step_{state['step']:06d}" and path not in doomed]
+        newer = [path for path in _checkpoints(out) if _step_of(path.name) > state["step"] and path not in doomed]
         if newer:
             print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(p.name for p in newer))}")
         for path in doomed + newer:
@@ -689,10 +707,6 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
         save_json(out / "config.json", dataclasses.asdict(cfg))
     barrier()
     return state
-
-
-def _step_dirs(out: Path) -> list[Path]:
-    return [p for p in out.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()]
 
 
 def _changed_since_resume_point(cfg, out: Path, ckpt: Path | None) -> str | None:

@@ -182,3 +182,31 @@ def test_lock_two_processes_and_sigkill(tiny_dir, tmp_path):
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+# -----------------------------------------------------------------------------
+# issue 45: hostile and careless files
+
+
+def test_pruning_touches_only_the_checkpoints_it_wrote(tiny_dir, tmp_path):
+    """#45 item 2: --keep prunes only step_N dirs named as save_checkpoint names them and holding a progress.json;
+    a user's copies and notes are never deleted and never take a --keep slot."""
+    out = tmp_path / "run"
+    argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(out), "--save_every", "1", "--keep", "2"]
+    grpo.main(argv + ["--steps", "2"])
+    shutil.copytree(out / "step_000002", out / "step_000002_good_backup")  # a complete checkpoint, renamed
+    shutil.copytree(out / "step_000001", out / "step_0000001")  # 7 digits: not how step 1 is named
+    shutil.copytree(out / "step_000001", out / "step_1")
+    (out / "step_notes").mkdir()
+    (out / "step_notes" / "todo.txt").write_text("look at step 2")
+    (out / "step_000009").write_text("a file, not a dir")
+    (out / ".tmp_step_mine").mkdir()  # a hidden dir of the user's, named like an interrupted save's
+    (out / ".tmp_step_mine" / "x").write_text("x")
+    user = ["step_000002_good_backup", "step_0000001", "step_1", "step_notes", "step_000009", ".tmp_step_mine"]
+    before = {name: tree(out / name) for name in user}
+    grpo.main(argv + ["--steps", "4"])
+    assert {name: tree(out / name) for name in user} == before
+    assert sorted(p.name for p in out.glob("step_*")) == sorted(user[:-1] + ["step_000003", "step_000004"])
+    assert checkpoint.find_latest(out) == out / "step_000004"
+    (out / "latest").unlink()  # without the pointer, the newest of the checkpoints it wrote
+    assert checkpoint.find_latest(out) == out / "step_000004"

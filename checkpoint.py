@@ -214,12 +214,12 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
         _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
         _fault("after_tmp_write", step)
         for path in (tmp / TRAIN_STATE, tmp):
-            _fsync_dir(path)
+            _fsync(path)
         old = run_dir / f".old_{name}"
         if final.exists():  # re-saving the same step: move the old copy aside, then delete it
             final.rename(old)
         tmp.rename(final)
-        _fsync_dir(run_dir)
+        _fsync(run_dir)
         _write_latest(run_dir, name)
         shutil.rmtree(old, ignore_errors=True)
         for stale in _checkpoints(run_dir)[:-keep] if keep > 0 else []:
@@ -259,7 +259,7 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, default=str) + "\n"
 
 
-def _fsync_dir(path: Path):
+def _fsync(path: Path):  # a file or a directory
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -271,7 +271,7 @@ def _write_latest(run_dir: Path, name: str):
     """The pointer: tmp file + fsync + rename, so it always names a complete checkpoint."""
     _write_fsynced(run_dir / "latest.tmp", lambda f: f.write(name + "\n"))
     os.replace(run_dir / "latest.tmp", run_dir / "latest")
-    _fsync_dir(run_dir)
+    _fsync(run_dir)
 
 
 def _remove_dir(path: Path):
@@ -293,8 +293,8 @@ def _fault(point: str, step: int):
 
 
 def publish_model(ckpt_dir, dst):
-    """Rank 0: make dst a plain HF model dir holding the checkpoint's model files (hard links when possible, so no
-    extra disk), replaced atomically (tmp dir + rename)."""
+    """Rank 0: make dst a plain HF model dir holding copies of the checkpoint's model files (copies, not hard links:
+    editing OUT/model/tokenizer_config.json must not edit the checkpoint), replaced atomically (tmp dir + rename)."""
     ckpt_dir, dst = Path(ckpt_dir), Path(dst)
     tmp = dst.with_name(f".tmp_{dst.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -302,10 +302,8 @@ def publish_model(ckpt_dir, dst):
     for f in ckpt_dir.iterdir():
         if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
             continue  # training state, not the model
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
+        shutil.copy2(f, tmp / f.name)
+        _fsync(tmp / f.name)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
 
@@ -320,7 +318,7 @@ def export_lora(model, tokenizer, out_dir, d: Dist):
             shutil.rmtree(tmp, ignore_errors=True)
         save(model, tmp, tokenizer)
         if d.is_main:
-            _fsync_dir(tmp)
+            _fsync(tmp)
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)
     barrier()

@@ -17,11 +17,14 @@ import pytest
 import checkpoint
 import eval as evaluation
 import grpo
+import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 GRPO = ["--split", "train[:64]", "--eval_split", "test[:4]", "--prompts_per_step", "2", "--group_size", "2",
         "--gen_batch", "2", "--max_new_tokens", "8", "--eval_every", "0", "--warmup", "1", "--steps", "1"]  # fmt: skip
+SFT = ["--split", "train[:64]", "--eval_split", "test[:4]", "--global_batch", "8", "--micro_batch", "8",
+       "--eval_every", "0", "--warmup", "1", "--steps", "2"]  # fmt: skip
 
 
 def tree(path: Path) -> dict | None:
@@ -210,3 +213,19 @@ def test_pruning_touches_only_the_checkpoints_it_wrote(tiny_dir, tmp_path):
     assert checkpoint.find_latest(out) == out / "step_000004"
     (out / "latest").unlink()  # without the pointer, the newest of the checkpoints it wrote
     assert checkpoint.find_latest(out) == out / "step_000004"
+
+
+def test_published_model_is_a_copy(tmp_path):
+    """#45 item 9: OUT/model holds copies of the last checkpoint's files: editing one in place (as an editor that
+    writes through the file does) leaves the checkpoint as it was."""
+    out = tmp_path / "sft"
+    sft.main(SFT + ["--out_dir", str(out)])
+    ckpt = checkpoint.find_latest(out)
+    names = sorted(p.name for p in (out / "model").iterdir())
+    assert "tokenizer_config.json" in names and "model.safetensors" in names
+    before = tree(ckpt)
+    for name in names:
+        with open(out / "model" / name, "r+b") as f:  # in place: same inode
+            f.seek(0, os.SEEK_END)
+            f.write(b" ")
+    assert tree(ckpt) == before

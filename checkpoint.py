@@ -35,9 +35,9 @@ a crash at any instant leaves the previous checkpoint the newest complete one. S
 on a shared filesystem (each rank writes its own files into it). DCP does not promise to read checkpoints written
 by another torch version: resume with the torch that wrote them (the HF weights load anywhere).
 
-Safe: a stage only ever deletes or rewrites a directory that is one of its own runs (check_out_dir: the marker, or
-a run from before the marker existed, recognised by its config.json holding a stage's resolved flags), never the
---init model; every check runs before anything is written, and the writes happen under the lock (start_or_resume).
+Safe: a stage only ever deletes or rewrites a directory that is one of its own runs (check_out_dir: its marker, and
+nothing else, says so), never the --init model; every check runs before anything is written, and the writes happen
+under the lock (start_or_resume).
 """
 
 import dataclasses
@@ -447,24 +447,19 @@ def _set_rng_state(state: dict):
 # the run directory: is it a run (and whose), its lock
 
 
+STAGES = ("sft", "grpo", "eval")
+
+
 def run_stage(path) -> str | None:
-    """The stage whose run a directory holds: its marker's, else (a run from before the marker existed) the stage
-    whose resolved flags its config.json holds; None if it is not a run (an HF model dir's config.json has none)."""
-    path = Path(path)
-    for name in (MARKER, "config.json", "summary.json"):
-        try:
-            obj = json.loads((path / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(obj, dict):
-            continue
-        if name == MARKER and isinstance(obj.get("stage"), str):
-            return obj["stage"]
-        if name == "config.json" and "out_dir" in obj and "resume" in obj:  # sft.py / grpo.py's flags
-            return "grpo" if "group_size" in obj else "sft"
-        if name == "summary.json" and isinstance(obj.get("config"), dict) and "model" in obj:  # eval.py's output
-            return "eval"
-    return None
+    """The stage whose run a directory holds, as its marker (minigrpo_run.json) says; None if it has no marker
+    (whatever else it holds: a config.json with a stage's flags is no proof) or one minigrpo did not write."""
+    try:
+        with open(Path(path) / MARKER, "rb") as f:
+            obj = json.loads(f.read(4096))  # a marker is ~100 bytes: a longer file is cut, so not valid JSON
+    except (OSError, ValueError, RecursionError):
+        return None
+    stage = obj.get("stage") if isinstance(obj, dict) else None
+    return stage if stage in STAGES else None
 
 
 def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
@@ -483,7 +478,7 @@ def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
     found = run_stage(out)
     if found == stage or not any(f for f in out.iterdir() if not f.name.startswith(".lock_node")):
         return
-    what_it_is = f"a run of {found}.py" if found else "not a minigrpo run (no minigrpo_run.json, no run config.json)"
+    what_it_is = f"a run of {found}.py" if found else f"not a minigrpo run (no valid {MARKER})"
     raise SystemExit(f"error: {what} {out} exists and is {what_it_is}: {stage}.py writes only into a new or empty "
                      f"directory or one of its own runs; nothing was changed. Pick another {what}")
 

@@ -74,7 +74,7 @@ def places(tiny_dir, tmp_path):
     (tmp_path / "a_file").write_text("notes")
     fake_run(tmp_path / "sft_run", stage="sft")
     fake_run(tmp_path / "run")
-    fake_run(tmp_path / "legacy", marker=False)  # a run from before the marker: config.json holds a stage's flags
+    fake_run(tmp_path / "legacy", marker=False)  # no marker: config.json's flags alone do not make it a run
     for name, text in {"dotdot": "../other/step_000001\n", "absolute": f"{tmp_path}/other/step_000001\n",
                        "long": "step_" + "1" * 5000, "binary": b"\xff\xfe step_000001"}.items():  # fmt: skip
         fake_run(tmp_path / f"latest_{name}", latest=text)
@@ -87,7 +87,7 @@ def test_out_dir_table(places):
         (grpo.main, init + ["--out_dir", str(t / "init")], f"error: --out_dir {t}/init is or holds the --init model"),
         (grpo.main, ["--init", str(t / "run"), "--out_dir", str(t / "run")], "is or holds the --init model"),
         (grpo.main, init + ["--out_dir", str(t / "other")],
-         f"error: --out_dir {t}/other exists and is not a minigrpo run (no minigrpo_run.json, no run config.json): "
+         f"error: --out_dir {t}/other exists and is not a minigrpo run (no valid minigrpo_run.json): "
          "grpo.py writes only into a new or empty directory or one of its own runs; nothing was changed. Pick another "
          "--out_dir"),
         (grpo.main, init + ["--out_dir", str(t / "other"), "--overwrite"], "exists and is not a minigrpo run"),
@@ -95,7 +95,7 @@ def test_out_dir_table(places):
          f"error: --out_dir {t}/sft_run exists and is a run of sft.py: grpo.py writes only into"),
         (grpo.main, init + ["--out_dir", str(t / "a_file")], f"error: --out_dir {t}/a_file is a file, not a directory"),
         (grpo.main, init + ["--out_dir", str(t / "legacy"), "--resume", "none"],
-         f"error: --out_dir {t}/legacy already holds a run"),  # recognised as a run without the marker
+         f"error: --out_dir {t}/legacy exists and is not a minigrpo run"),  # only the marker makes a run
         (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--gen_batch", "0"],
          "error: --gen_batch 0: need at least 1"),
         (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--task_knobs", "steps=abc"],
@@ -229,3 +229,32 @@ def test_published_model_is_a_copy(tmp_path):
             f.seek(0, os.SEEK_END)
             f.write(b" ")
     assert tree(ckpt) == before
+
+
+def test_only_the_marker_makes_a_run(tiny_dir, tmp_path):
+    """#45 item 4: a directory is a run only when its minigrpo_run.json says so; a config.json holding a stage's
+    flags (out_dir, resume, ...) or a summary.json like eval.py's proves nothing, and a marker minigrpo did not
+    write (another stage name, a JSON bomb, binary) is none."""
+    mine = tmp_path / "mine"  # the probe's: config.json with out_dir and resume keys, the user's log and weights
+    mine.mkdir()
+    (mine / "config.json").write_text(json.dumps({"out_dir": str(mine), "resume": "auto", "overwrite": False}))
+    (mine / "metrics.jsonl").write_text('{"step": 1}\n{"step": 5}\n')
+    (mine / "model").mkdir()
+    (mine / "model" / "pytorch_model.bin").write_bytes(os.urandom(64))
+    fake_run(tmp_path / "grpo_like", marker=False)
+    (tmp_path / "eval_like").mkdir()
+    (tmp_path / "eval_like" / "summary.json").write_text(json.dumps({"config": {}, "model": "m", "greedy": {}}))
+    markers = {"number": '{"stage": 5}', "path": '{"stage": "../sft"}', "list": '["sft"]', "binary": b"\xff\xfe",
+               "bomb": "[" * 100_000, "long": '{"stage": "sft", "pad": "' + "x" * 10_000 + '"}'}  # fmt: skip
+    for name, text in markers.items():
+        fake_run(tmp_path / f"marker_{name}", stage="sft", marker=False, **{checkpoint.MARKER: text})
+    want = "exists and is not a minigrpo run (no valid minigrpo_run.json)"
+    cases = [(sft.main, SFT + ["--out_dir", str(mine)]),
+             (sft.main, SFT + ["--out_dir", str(mine), "--overwrite"]),
+             (grpo.main, GRPO + ["--init", str(tiny_dir), "--out_dir", str(tmp_path / "grpo_like")]),
+             (evaluation.main, ["--model", str(tiny_dir), "--split", "test[:2]", "--out_dir",
+                                str(tmp_path / "eval_like")])]  # fmt: skip
+    cases += [(sft.main, SFT + ["--out_dir", str(tmp_path / f"marker_{name}")]) for name in markers]
+    dirs = [tmp_path / d for d in sorted(os.listdir(tmp_path))]
+    for main, argv in cases:
+        assert want in fails(main, argv, *dirs), argv

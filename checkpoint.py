@@ -292,25 +292,30 @@ def _fault(point: str, step: int):
         os._exit(86)
 
 
-def publish_model(ckpt_dir, dst):
-    """Rank 0: make dst a plain HF model dir holding copies of the checkpoint's model files (copies, not hard links:
-    editing OUT/model/tokenizer_config.json must not edit the checkpoint), replaced atomically (tmp dir + rename)."""
+def publish_model(ckpt_dir, dst, d: Dist):
+    """Every rank: rank 0 makes dst a plain HF model dir holding copies of the checkpoint's model files (copies, not
+    hard links: editing OUT/model/tokenizer_config.json must not edit the checkpoint), replaced atomically (tmp dir +
+    rename); refused, every rank stopping, when dst holds what minigrpo did not write (_check_published)."""
     ckpt_dir, dst = Path(ckpt_dir), Path(dst)
-    tmp = dst.with_name(f".tmp_{dst.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in ckpt_dir.iterdir():
-        if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
-            continue  # training state, not the model
-        shutil.copy2(f, tmp / f.name)
-        _fsync(tmp / f.name)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+    _check_published(dst, d)
+    if d.is_main:
+        tmp = dst.with_name(f".tmp_{dst.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in ckpt_dir.iterdir():
+            if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
+                continue  # training state, not the model
+            shutil.copy2(f, tmp / f.name)
+            _fsync(tmp / f.name)
+        _swap_in(tmp, dst)
+    barrier()
 
 
 def export_lora(model, tokenizer, out_dir, d: Dist):
     """Every rank (FSDP2 gathers): a LoRA run's result as OUT/model, the merged HF model dir (transformers, eval.py,
     --init), and OUT/adapter, the adapter alone in PEFT's format; each written to a tmp dir, then renamed."""
+    for name in ("model", "adapter"):
+        _check_published(Path(out_dir) / name, d)
     for name, save in (("model", save_model), ("adapter", save_adapter)):
         dst = Path(out_dir) / name
         tmp = dst.with_name(f".tmp_{name}")
@@ -318,10 +323,60 @@ def export_lora(model, tokenizer, out_dir, d: Dist):
             shutil.rmtree(tmp, ignore_errors=True)
         save(model, tmp, tokenizer)
         if d.is_main:
-            _fsync(tmp)
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
+            _swap_in(tmp, dst)
     barrier()
+
+
+# what a published dir (OUT/model, OUT/adapter) records: the names minigrpo wrote into it, all a later publish replaces
+PUBLISHED = "minigrpo_files.json"
+
+
+def _swap_in(tmp: Path, dst: Path):
+    """Rank 0: record tmp's file names in it, then replace dst (checked: only minigrpo's files) with it."""
+    _write_fsynced(tmp / PUBLISHED, lambda f: f.write(_json(sorted(p.name for p in tmp.iterdir()))))
+    _fsync(tmp)
+    if _foreign(dst):  # (a file that appeared since the check at the start of the run: keep it)
+        raise SystemExit(_foreign_error(dst))
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    _fsync(dst.parent)
+
+
+def _foreign(dst: Path) -> list[str]:
+    """What in a published dir minigrpo did not write there: every name its PUBLISHED record does not list (a dir
+    published before the record existed: every name its run's newest checkpoint does not hold). [] if dst is missing;
+    ["."] if it is not a plain directory."""
+    if not dst.exists() and not dst.is_symlink():
+        return []
+    if dst.is_symlink() or not dst.is_dir():
+        return ["."]
+    try:
+        with open(dst / PUBLISHED, "rb") as f:
+            ours = json.loads(f.read(1 << 20))
+        ours = {n for n in ours if isinstance(n, str)} if isinstance(ours, list) else set()
+    except (OSError, ValueError, RecursionError):
+        try:
+            ckpt = find_latest(dst.parent)
+        except ValueError:
+            ckpt = None
+        ours = {p.name for p in ckpt.iterdir()} if ckpt is not None else set()
+    ours.add(PUBLISHED)
+    return sorted(p.name + "/" * p.is_dir() for p in dst.iterdir() if p.name not in ours or not p.is_file())
+
+
+def _foreign_error(dst: Path) -> str:
+    found = _foreign(dst)
+    shown = "it is not a plain directory" if found == ["."] else f"it holds {', '.join(found[:5])}" + (
+        f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f"error: {dst} holds files minigrpo did not write there ({shown}): a run replaces {dst} at its end; "
+            f"move them out of {dst.name}/ (or pick another --out_dir)")
+
+
+def _check_published(dst: Path, d: Dist):
+    """Every rank: stop (rank 0 says why) when dst holds what minigrpo did not write, before anything is replaced."""
+    msgs = all_gather_list([_foreign_error(dst)] if d.is_main and _foreign(dst) else [])
+    if msgs:
+        raise SystemExit(msgs[0] if d.is_main else 1)
 
 
 # -----------------------------------------------------------------------------
@@ -464,18 +519,26 @@ def run_stage(path) -> str | None:
 
 def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
     """Read only. Refuse an out_dir a run of `stage` must not write into: an existing non-empty directory that is not
-    such a run (a model dir, another stage's run, anything else), or one that is or holds the --init model."""
+    such a run (a model dir, another stage's run, anything else), one that is, holds or is inside the --init model,
+    or (sft, grpo) one whose model/ or adapter/, which the run replaces at its end, holds files it did not write."""
     out = Path(out)
     if init is not None and Path(init).exists():
         init_dir = Path(init).resolve()
         if init_dir == out.resolve() or out.resolve() in init_dir.parents:
             raise SystemExit(f"error: {what} {out} is or holds the --init model {init}: this run would overwrite or "
                              f"prune it; pick another {what}")
+        if init_dir in out.resolve().parents:
+            raise SystemExit(f"error: {what} {out} is inside the --init model {init}: whatever rewrites {init} (its "
+                             f"own stage run again) would delete this run; pick a {what} outside it")
     if not out.exists():
         return
     if not out.is_dir():
         raise SystemExit(f"error: {what} {out} is a file, not a directory: pick another {what}")
     found = run_stage(out)
+    if found == stage and stage != "eval":
+        for sub in ("model", "adapter"):
+            if _foreign(out / sub):
+                raise SystemExit(_foreign_error(out / sub) + "; nothing was changed")
     if found == stage or not any(f for f in out.iterdir() if not f.name.startswith(".lock_node")):
         return
     what_it_is = f"a run of {found}.py" if found else f"not a minigrpo run (no valid {MARKER})"

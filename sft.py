@@ -550,8 +550,8 @@ def main(argv=None):
     out = Path(cfg.out_dir)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, out, d)
-    elif d.is_main:
-        publish_model(ckpt, out / "model")
+    else:
+        publish_model(ckpt, out / "model", d)
     warning = end_warning(history, step, cfg)
     if warning:  # say it, rather than silently hand GRPO a start it learns little from
         print0(warning)

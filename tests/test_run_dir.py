@@ -258,3 +258,33 @@ def test_only_the_marker_makes_a_run(tiny_dir, tmp_path):
     dirs = [tmp_path / d for d in sorted(os.listdir(tmp_path))]
     for main, argv in cases:
         assert want in fails(main, argv, *dirs), argv
+
+
+def test_publishing_never_deletes_what_the_user_put_in_out_model(tmp_path):
+    """#45 item 3: an --out_dir inside the --init model is refused; a stage replaces OUT/model only when it holds no
+    more than the files minigrpo wrote there (minigrpo_files.json lists them), else it refuses at the start, before
+    anything is written, whether it would resume, extend, or --overwrite."""
+    s = tmp_path / "s"
+    sft.main(SFT + ["--out_dir", str(s)])
+    model = s / "model"
+    init = ["--init", str(model)]
+    inside = [(grpo.main, GRPO + init + ["--out_dir", str(model / "grpo")]),
+              (grpo.main, GRPO + ["--init", str(s), "--out_dir", str(s / "grpo")]),  # a run dir as --init
+              (sft.main, SFT + init + ["--out_dir", str(model / "sft")])]  # fmt: skip
+    for main, argv in inside:
+        assert "is inside the --init model" in fails(main, argv, tmp_path), argv
+    fake_run(model / "grpo")  # what the probe's grpo run left there, before the check above existed
+    (model / "NOTES.md").write_text("my notes")
+    (model / "my_eval").mkdir()
+    (model / "my_eval" / "summary.json").write_text("{}")
+    want = f"error: {model} holds files minigrpo did not write there (it holds NOTES.md, grpo/, my_eval/)"
+    for extra in ([], ["--steps", "3"], ["--overwrite"], ["--resume", "none", "--overwrite"]):
+        assert fails(sft.main, SFT + ["--out_dir", str(s)] + extra, tmp_path).startswith(want), extra
+    for name in ("NOTES.md", "my_eval", "grpo"):  # moved out: the same command goes on and replaces OUT/model
+        shutil.move(model / name, tmp_path / name)
+    (model / "tokenizer_config.json").write_text("{}")  # a file minigrpo wrote, edited: replaced
+    sft.main(SFT + ["--out_dir", str(s), "--steps", "3"])
+    published, ckpt = tree(model), tree(s / "step_000003")
+    assert json.loads((model / checkpoint.PUBLISHED).read_text()) == sorted(published)
+    del published[checkpoint.PUBLISHED]
+    assert "tokenizer_config.json" in published and all(published[k] == ckpt[k] for k in published)

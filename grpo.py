@@ -77,7 +77,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_splits
 from eval import evaluate
-from hf import load_config, load_model, load_tokenizer, stop_and_pad_ids
+from hf import check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
 from packing import micro_batch, micro_batches, training_batch
@@ -551,8 +551,9 @@ class Prompts:
     longest: int  # tokens in the longest prompt the sampler will see (training or eval)
 
 
-def load_prompts(cfg: GRPOConfig, tok, max_pos: int) -> Prompts:
-    """The --split and --eval_split problems in --template, checked to fit the model's positions."""
+def load_prompts(cfg: GRPOConfig, tok, model_cfg) -> Prompts:
+    """The --split and --eval_split problems in --template, checked to fit the model's positions and vocabulary."""
+    max_pos = model_cfg.max_position_embeddings
     # a missing file, a malformed row (named by file and line), a bad split or knob
     with user_input("data"):
         rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
@@ -566,6 +567,8 @@ def load_prompts(cfg: GRPOConfig, tok, max_pos: int) -> Prompts:
     if cfg.eval_every:
         evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
+    with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
+        check_token_ids(ids + eval_ids, model_cfg.vocab_size, "the prompts")
     longest = max(map(len, ids + eval_ids))
     return Prompts(rows, text, response_start, ids, eval_rows, longest)
 
@@ -733,7 +736,7 @@ def main(argv=None):
         model_cfg = load_config(cfg.init, cfg.size_limits)
         tok = load_tokenizer(cfg.init)
         stop_ids = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
-    task = load_prompts(cfg, tok, model_cfg.max_position_embeddings)
+    task = load_prompts(cfg, tok, model_cfg)
     shapes = memory_shapes(cfg, "grpo", d.world_size, task.longest, d.device.type)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:

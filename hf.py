@@ -195,7 +195,23 @@ def stop_and_pad_ids(tokenizer, cfg: ModelConfig) -> tuple[list[int], int]:
         raise ValueError("no stop token: neither the tokenizer nor config.json / generation_config.json names an "
                          "eos_token_id; set one in the model directory's config.json")
     pad = next((i for i in (tokenizer.pad_token_id, cfg.pad_token_id) if i is not None), stops[0])
+    named = {"the tokenizer's eos_token_id": tokenizer.eos_token_id, "config.json's eos_token_id": cfg.eos_token_id,
+             "the tokenizer's pad_token_id": tokenizer.pad_token_id, "config.json's pad_token_id": cfg.pad_token_id}
+    for what, ids in named.items():
+        for i in set(_as_list(ids)) & {*stops, pad}:  # (the ids in use: a pad the tokenizer overrides is not)
+            if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size):
+                raise ValueError(f"{what} {i} is not a token id of this model (0 .. vocab_size - 1 = "
+                                 f"{cfg.vocab_size - 1}): fix it in the model directory")
     return stops, pad
+
+
+def check_token_ids(seqs, vocab_size: int, what: str):
+    """A ValueError when a tokenized text holds an id past the model's embeddings (a tokenizer of a larger
+    vocabulary than config.json's vocab_size): say so before anything runs, not as an index error at step 1."""
+    top = max((max(ids) for ids in seqs if ids), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{what} tokenize to id {top}, past config.json's vocab_size {vocab_size}: the tokenizer "
+                         "does not belong to this model")
 
 
 def _as_list(x) -> list:

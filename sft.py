@@ -109,7 +109,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_splits, parse_knobs, sft_target
 from eval import evaluate
-from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
+from hf import char_tokenizer, check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
 from packing import micro_batches
@@ -340,15 +340,18 @@ def build_examples(rows: list[dict], tok, template: str, eos_id: int) -> list[tu
     return examples
 
 
-def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, max_len: int) -> tuple[int, int]:
-    """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions. -> the longest
-    example's and the longest eval prompt's tokens."""
+def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, model_cfg) -> tuple[int, int]:
+    """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions, or holding ids past its
+    vocabulary. -> the longest example's and the longest eval prompt's tokens."""
+    max_len = model_cfg.max_position_embeddings
+    eval_ids = [encode_prompt(tok, format_prompt(r["question"], cfg.template, tok)[0], cfg.template) for r in eval_rows]
+    with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
+        check_token_ids([ids for ids, _ in examples] + eval_ids, model_cfg.vocab_size, "the examples")
     longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
         raise SystemExit(f"error: the longest example has {longest} tokens > the model's "
                          f"max_position_embeddings {max_len}")
-    eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
-    longest_eval = max(len(encode_prompt(tok, p, cfg.template)) for p in eval_prompts)
+    longest_eval = max(map(len, eval_ids))
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + "
                          f"--max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -526,7 +529,7 @@ def main(argv=None):
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
     # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
     examples = build_examples(rows, tok, cfg.template, eos_ids[0])
-    longest, longest_eval = check_lengths(cfg, examples, eval_rows, tok, model_cfg.max_position_embeddings)
+    longest, longest_eval = check_lengths(cfg, examples, eval_rows, tok, model_cfg)
     # the memory this run needs; a training row is the longest example shifted by one
     shapes = memory_shapes(cfg, "sft", d.world_size, longest_eval, d.device.type, seq=longest - 1)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))

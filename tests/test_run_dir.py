@@ -288,3 +288,34 @@ def test_publishing_never_deletes_what_the_user_put_in_out_model(tmp_path):
     assert json.loads((model / checkpoint.PUBLISHED).read_text()) == sorted(published)
     del published[checkpoint.PUBLISHED]
     assert "tokenizer_config.json" in published and all(published[k] == ckpt[k] for k in published)
+
+
+def test_every_check_runs_before_overwrite_deletes(tiny_dir, tmp_path):
+    """#45 item 5: stop / pad ids and the prompts' token ids are checked against the model's vocab_size before
+    --overwrite deletes the old run: one error line, and the old run is as it was."""
+    from hf import char_tokenizer, save_model
+    from model import Transformer, preset_config
+
+    bad = {"eos_negative": {"eos_token_id": -3}, "eos_past": {"eos_token_id": 100},
+           "eos_list": {"eos_token_id": [2, 10**6]}}  # fmt: skip
+    for name, fields in bad.items():
+        shutil.copytree(tiny_dir, tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **fields}))
+    tok = char_tokenizer()  # ~100 tokens; a model of 40: the prompts' characters are past its embeddings
+    small = preset_config("tiny", vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    save_model(Transformer(small), tmp_path / "vocab_small", tok)
+    run, sft_run = tmp_path / "run", tmp_path / "sft_run"
+    grpo.main(GRPO + ["--init", str(tiny_dir), "--out_dir", str(run)])
+    sft.main(SFT + ["--init", str(tiny_dir), "--out_dir", str(sft_run)])
+    dirs = [tmp_path / d for d in sorted(os.listdir(tmp_path))]
+    for name in [*bad, "vocab_small"]:
+        want = "is not a token id of this model" if name in bad else "past config.json's vocab_size 40"
+        init = ["--init", str(tmp_path / name)]
+        for main, argv in ((grpo.main, GRPO + init + ["--out_dir", str(run), "--overwrite"]),
+                           (sft.main, SFT + init + ["--out_dir", str(sft_run), "--overwrite"]),
+                           (evaluation.main, ["--model", str(tmp_path / name), "--split", "test[:2]",
+                                              "--out_dir", str(tmp_path / "eval_new")])):  # fmt: skip
+            msg = fails(main, argv, *dirs)
+            assert msg.startswith("error: --") and want in msg, (name, argv, msg)

@@ -607,6 +607,45 @@ def _take_run_dir(out: Path, d: Dist):
         raise SystemExit(msgs[0] if d.is_main else 1)
 
 
+def claim_run_dir(out, stage: str, d: Dist):
+    """Every rank, once every check has passed (eval.py; start_or_resume does the same for sft / grpo): take the run
+    dir's lock (each node's leader; the dir is made if needed), check it again under the lock (another stage's run
+    may have claimed it since check_out_dir), mark it. A refusal leaves the directory as it was."""
+    out = Path(out)
+    created = not out.exists()
+    barrier()  # every rank has seen whether out existed
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        _take_run_dir(out, d)
+        msgs = all_gather_list([msg] if d.is_main and (msg := _recheck(out, stage)) else [])
+        if msgs:
+            raise SystemExit(msgs[0] if d.is_main else 1)
+    except SystemExit:
+        _let_go(out, created)
+        raise
+    if d.is_main:
+        mark_run_dir(out, stage)
+    barrier()
+
+
+def _recheck(out: Path, stage: str, init=None) -> str | None:
+    """Under the lock: check_out_dir's error line, if the dir is no longer one this stage may write into."""
+    try:
+        check_out_dir(out, stage, init)
+    except SystemExit as e:
+        return str(e.code)
+    return None
+
+
+def _let_go(out: Path, created: bool):
+    """A run that stops before writing anything: no lock file, and no dir if it made it."""
+    release_run_dir(out)
+    only_locks = out.is_dir() and all(f.name.startswith(".lock_node") for f in out.iterdir())
+    if created and only_locks and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def _stage(cfg) -> str:
     return type(cfg).__name__.removesuffix("Config").lower()  # SFTConfig -> "sft", GRPOConfig -> "grpo"
 
@@ -713,9 +752,12 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
         out.mkdir(parents=True, exist_ok=True)
     try:
         _take_run_dir(out, d)
-        # under the lock, nothing else changes the dir: is it still what resume_point saw? (another run may have
-        # written to it meanwhile); then put back a checkpoint whose re-save was cut between its two renames
-        msg = _changed_since_resume_point(cfg, out, ckpt) if d.is_main else None
+        # under the lock, nothing else changes the dir: is it still what resume_point saw, its marker and its
+        # checkpoints? (another run may have claimed or written it meanwhile); then put back a checkpoint whose
+        # re-save was cut between its two renames
+        msg = None
+        if d.is_main:
+            msg = _recheck(out, _stage(cfg), getattr(cfg, "init", None)) or _changed_since_resume_point(cfg, out, ckpt)
         if not msg and d.is_main:
             for old in _restorable(out):
                 old.rename(out / old.name[5:])
@@ -731,10 +773,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
                     dcp.CheckpointException) as e:  # fmt: skip
                 raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
     except SystemExit:  # leave the dir as it was: no lock file, and no dir if this run made it
-        release_run_dir(out)
-        only_locks = out.is_dir() and all(f.name.startswith(".lock_node") for f in out.iterdir())
-        if created and only_locks and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            shutil.rmtree(out, ignore_errors=True)
+        _let_go(out, created)
         raise
     if ckpt is not None:
         saved_world = state.get("world_size", d.world_size)

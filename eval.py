@@ -34,7 +34,7 @@ import torch.distributed as tdist
 import fast
 import rewards
 import verifier
-from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
+from checkpoint import check_out_dir, claim_run_dir, release_run_dir, resolve_model_dir
 from common import (
     DTYPES,
     JsonlLogger,
@@ -260,8 +260,7 @@ def main(argv=None):
     with user_input("--model"):  # stop / pad ids, or a tokenizer's ids, past the model's vocabulary
         stop_and_pad_ids(tok, model.config)
         check_token_ids([encode_prompt(tok, p, cfg.template) for p in prompts], model.config.vocab_size, "the prompts")
-    if d.is_main:
-        mark_run_dir(cfg.out_dir, "eval")
+    claim_run_dir(cfg.out_dir, "eval", d)  # its lock, the same checks again under it, its marker
     print0(f"eval {path} on {cfg.task} {cfg.split}: {len(rows)} problems, {d.world_size} rank(s)")
 
     modes = []  # (name, samples, temperature)
@@ -284,6 +283,7 @@ def main(argv=None):
         save_json(os.path.join(cfg.out_dir, "summary.json"), {"config": asdict(cfg), "model": str(path), **results})
     print_table(results)
     print0(f"wrote {cfg.out_dir}/summary.json and completions.jsonl")
+    release_run_dir(cfg.out_dir)
     cleanup_dist()
 
 

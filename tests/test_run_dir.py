@@ -319,3 +319,43 @@ def test_every_check_runs_before_overwrite_deletes(tiny_dir, tmp_path):
                                               "--out_dir", str(tmp_path / "eval_new")])):  # fmt: skip
             msg = fails(main, argv, *dirs)
             assert msg.startswith("error: --") and want in msg, (name, argv, msg)
+
+
+def test_eval_takes_the_lock_and_every_stage_rechecks_the_marker_under_it(tiny_dir, tmp_path, monkeypatch):
+    """#45 item 7: eval.py takes the run dir's lock as sft / grpo do, and every stage checks the marker again under
+    the lock: a run of another stage that claimed the (new) directory since the stage's first check turns it away,
+    one error line, the other run's files as they were."""
+    held = fake_run(tmp_path / "held", stage="eval")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(held)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = ["--model", str(tiny_dir), "--split", "test[:2]", "--out_dir", str(held)]
+        assert "is in use by another run" in fails(evaluation.main, argv, tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+    def claimed_meanwhile(module, name, out, stage):
+        """module.name, but another stage's run claims out while it runs (after the stage's first check)."""
+        real = getattr(module, name)
+
+        def run(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if not out.exists():
+                fake_run(out, stage=stage)
+            return result
+
+        monkeypatch.setattr(module, name, run)
+
+    cases = [(evaluation, "load_for_eval", "grpo", ["--model", str(tiny_dir), "--split", "test[:2]"]),
+             (grpo, "build_models", "eval", GRPO + ["--init", str(tiny_dir)]),
+             (sft, "build_model", "grpo", SFT)]  # fmt: skip
+    for module, name, other, argv in cases:
+        out = tmp_path / f"new_{module.__name__}"
+        with monkeypatch.context():
+            claimed_meanwhile(module, name, out, other)
+            msg = fails(module.main, argv + ["--out_dir", str(out)], *(p for p in tmp_path.iterdir() if p != out))
+        assert msg.startswith(f"error: --out_dir {out} exists and is a run of {other}.py"), msg
+        assert json.loads((out / checkpoint.MARKER).read_text())["stage"] == other
+        assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", checkpoint.MARKER, "metrics.jsonl"])

@@ -43,6 +43,7 @@ under the lock (start_or_resume).
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -91,7 +92,7 @@ TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not pa
 # what a resumed run must share with the run that wrote its checkpoint, in every stage (the start model, the data,
 # the seed, the stored weights' dtype, the LoRA adapters): resume_point refuses a checkpoint that differs in these or
 # in the stage's own `must_match` (e.g. its batch shape); other flags (lr, steps, loss, dist, world size, the compute
-# --dtype, ...) may change
+# --dtype, ...) may change. The --init weights are also compared by content (run_record's init_sha256)
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "data_seed", "task_knobs", "template", "seed",
                      "weights_dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
@@ -659,13 +660,35 @@ def _has_run(out: Path) -> bool:
     return (out / "latest").exists() or bool(_checkpoints(out)) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
+def run_record(cfg, d: Dist) -> dict:
+    """What a run's config.json and its checkpoints' run_config.json hold: the resolved flags, and init_sha256, the
+    content hash of the --init weights (weights_sha256; computed once, by rank 0), so that a resume can tell a
+    changed base model or KL reference from the one the run started from, not only a changed path."""
+    sha = None
+    if getattr(cfg, "init", None) and d.is_main:
+        with user_input("--init"):
+            sha = weights_sha256(resolve_model_dir(cfg.init))
+    return {**dataclasses.asdict(cfg), "init_sha256": all_gather_list([sha] if d.is_main else [])[0]}
+
+
+def weights_sha256(model_dir) -> str:
+    """sha256 over a model dir's *.safetensors files, each file's name and bytes in name order."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def _same(a, b) -> bool:
     if isinstance(a, str) and isinstance(b, str) and ("/" in a or "/" in b):  # paths: runs/x/ == runs/x
         return os.path.normpath(a) == os.path.normpath(b)
     return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
 
 
-def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
+def resume_point(cfg, d: Dist, must_match: tuple[str, ...], record: dict | None = None) -> Path | None:
     """The checkpoint this run continues from, per cfg.resume; checked, with the out dir (check_out_dir) and the
     logger packages, before anything is loaded or written.
       auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
@@ -674,7 +697,8 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
     cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
     A checkpoint written by a run whose config differs in a RESUME_MUST_MATCH field or one of the stage's
     `must_match` (model, data, batch shape: what makes continuing it meaningless) is refused with every difference
-    listed; other changes are printed."""
+    listed, as is one whose --init weights hashed otherwise (record: run_record's, with the hash); other changes are
+    printed."""
     out = Path(cfg.out_dir)
     check_out_dir(out, _stage(cfg), getattr(cfg, "init", None))
     check_packages(cfg)  # --wandb / --tensorboard: before --overwrite deletes anything
@@ -706,8 +730,21 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
         saved = json.loads(saved_file.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
-    now = dataclasses.asdict(cfg)
-    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
+    now = record or dataclasses.asdict(cfg)
+    was, sha = saved.get("init_sha256"), now.get("init_sha256")
+    if was and sha and was != sha and _same(saved.get("init"), now["init"]):
+        role = "LoRA base" if now.get("lora_rank") else ""
+        role = role or (f"KL reference (--beta {now['beta']})" if now.get("beta") else "")
+        changes = f"the weights in --init {cfg.init} changed since the run that wrote it started (sha256 {was[:12]}..."
+        if not role:  # a full fine-tune with beta 0 uses them only as its start: the checkpoint replaces them
+            print0(f"note: {changes} then, {sha[:12]}... now); this run uses them only as its start, which the "
+                   "checkpoint replaces")
+        else:
+            raise SystemExit(f"error: cannot resume {ckpt}: {changes} then, {sha[:12]}... now), and they are its "
+                             f"{role}: point --init at the weights the run started from, or start a new run (another "
+                             "--out_dir, or --overwrite)")
+    fixed = ("resume", "overwrite", "init_sha256")
+    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in fixed]
     diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in RESUME_MUST_MATCH + must_match]
     if diffs:
         raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
@@ -738,7 +775,7 @@ def truncate_jsonl(path, step: int):
 
 
 def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
-                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
+                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl"), record: dict | None = None) -> dict:
     """Take the run dir's lock (each node's leader), then load the checkpoint resume_point chose (weights, optimizer,
     this rank's RNG states) or start fresh, then ready cfg.out_dir (rank 0): mark it as a run, delete the old run
     (--overwrite: only what a run writes) and leftovers of interrupted saves, cut the logs back to the resumed step,
@@ -799,7 +836,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
             _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
         for f in logs:
             truncate_jsonl(out / f, state["step"])
-        save_json(out / "config.json", dataclasses.asdict(cfg))
+        save_json(out / "config.json", record or dataclasses.asdict(cfg))
     barrier()
     return state
 

@@ -31,7 +31,7 @@ Simplifications, stated up front:
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +43,7 @@ from checkpoint import (
     export_lora,
     release_run_dir,
     resume_point,
+    run_record,
     save_checkpoint,
     start_or_resume,
 )
@@ -681,7 +682,7 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
 # The loop: one GRPO step after another, each logged, evaluated and checkpointed on schedule
 
 
-def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict):
+def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict, record: dict):
     """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
     log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
@@ -719,7 +720,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
             stopped = "time" if done and step < cfg.steps else False
             train_state = {"train_s": train_s, "wall_s": metrics["wall_s"], "stopped": stopped}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt,
-                            keep=cfg.keep, config=asdict(cfg))
+                            keep=cfg.keep, config=record)
         if done:
             break
     bar.close()
@@ -742,11 +743,12 @@ def main(argv=None):
     if cfg.dry_run:
         return cleanup_dist()
     # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
-    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
+    record = run_record(cfg, d)  # the flags + the --init weights' hash: what config.json and each checkpoint keep
+    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"), record=record)
     model, ref, opt = build_models(cfg, d)
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
-    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state)
+    state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
+    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state, record)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
     release_run_dir(cfg.out_dir)

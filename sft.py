@@ -78,6 +78,7 @@ from checkpoint import (
     release_run_dir,
     resolve_model_dir,
     resume_point,
+    run_record,
     save_checkpoint,
     start_or_resume,
 )
@@ -462,7 +463,7 @@ def stop_line(step: int, stop: bool, out_of_time: bool, history: list[float], cf
 # The loop, and main
 
 
-def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, state: dict, ckpt):
+def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, state: dict, ckpt, record: dict):
     """Steps state["step"] + 1 .. --steps, or until a stop rule or --max_minutes. -> (the last step,
     the newest checkpoint, the eval history, the wall-clock start)."""
     out = Path(cfg.out_dir)
@@ -509,7 +510,7 @@ def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, 
             train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
                            "stopped": stopped, "eval_history": history, "train_s": train_s}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt,
-                                   keep=cfg.keep, config=asdict(cfg))
+                                   keep=cfg.keep, config=record)
         if stopped:
             break
     bar.close()
@@ -537,10 +538,11 @@ def main(argv=None):
         return cleanup_dist()
     # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
     # preset and the batch (--micro_batch may change)
-    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
+    record = run_record(cfg, d)  # the flags + the --init weights' hash: what config.json and each checkpoint keep
+    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"), record=record)
     model, opt, n_params, n_train = build_model(cfg, d, path, model_cfg)
     # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
+    state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
     limits = [f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
     limits += [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)
     print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} "
@@ -549,7 +551,7 @@ def main(argv=None):
            f"dist={cfg.dist if d.world_size > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
     step, ckpt, history, t_start = train(cfg, d, model, opt, tok, examples, eval_rows, pad_id, state,
-                                         resume_from)
+                                         resume_from, record)
     out = Path(cfg.out_dir)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, out, d)

@@ -359,3 +359,33 @@ def test_eval_takes_the_lock_and_every_stage_rechecks_the_marker_under_it(tiny_d
         assert msg.startswith(f"error: --out_dir {out} exists and is a run of {other}.py"), msg
         assert json.loads((out / checkpoint.MARKER).read_text())["stage"] == other
         assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", checkpoint.MARKER, "metrics.jsonl"])
+
+
+def test_a_resume_checks_the_init_weights_not_only_their_path(tiny_dir, tmp_path, capsys):
+    """#45 item 8: config.json and every checkpoint keep the sha256 of the --init weights; a resume whose --init
+    path is the same but whose weights changed is refused where the run still uses them (a LoRA base, a beta > 0
+    reference), one error line, every directory as it was; a full fine-tune at beta 0 resumes with a note."""
+    from safetensors.torch import load_file, save_file
+
+    init = tmp_path / "init"
+    shutil.copytree(tiny_dir, init)
+    lora = ["--lora_rank", "4", "--lora_alpha", "8"]
+    cases = {"grpo_lora": (grpo.main, GRPO + lora, "LoRA base"), "sft_lora": (sft.main, SFT + lora, "LoRA base"),
+             "grpo_beta": (grpo.main, GRPO + ["--beta", "0.1"], "KL reference (--beta 0.1)"),
+             "grpo_full": (grpo.main, GRPO, None)}  # fmt: skip
+    for name, (main, argv, _) in cases.items():
+        main(argv + ["--init", str(init), "--out_dir", str(tmp_path / name), "--steps", "1"])
+    weights = load_file(init / "model.safetensors")
+    weights = {k: v + 1e-3 if k.endswith("q_proj.weight") else v for k, v in weights.items()}
+    save_file(weights, init / "model.safetensors", metadata={"format": "pt"})  # the SFT run --init names, extended
+    dirs = [tmp_path / d for d in sorted(os.listdir(tmp_path))]
+    for name, (main, argv, role) in cases.items():
+        argv = argv + ["--init", str(init), "--out_dir", str(tmp_path / name), "--steps", "2"]
+        if role is None:
+            capsys.readouterr()
+            main(argv)
+            assert f"note: the weights in --init {init} changed" in capsys.readouterr().out
+            continue
+        msg = fails(main, argv, *dirs)
+        assert msg.startswith(f"error: cannot resume {tmp_path / name}/step_000001: the weights in --init {init} "
+                              "changed since the run that wrote it started (sha256 ") and f"its {role}:" in msg, msg

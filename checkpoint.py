@@ -390,7 +390,7 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
     metadata classes (tensors load with weights_only=True)."""
     ckpt_dir = Path(ckpt_dir)
-    progress = _read_progress(ckpt_dir / PROGRESS)
+    progress = _read_progress(ckpt_dir)
     state, optim_sd = _train_state(model, optimizer)
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), planner=_TensorsOnly(), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
@@ -414,17 +414,37 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     return progress, rank_state
 
 
-def _read_progress(path: Path) -> dict:
-    """progress.json: {"step": int >= 0, "world_size": int >= 1, ...}, or a ValueError naming the file."""
+def _read_progress(ckpt: Path) -> dict:
+    """A checkpoint's progress.json, checked (types and ranges of what the scripts read back, the step its dir is
+    named for), or a ValueError naming the file."""
+    path = ckpt / PROGRESS
     try:
-        progress = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    ok = lambda k, low: isinstance(progress.get(k), int) and not isinstance(progress[k], bool) and progress[k] >= low
-    if not isinstance(progress, dict) or not ok("step", 0) or ("world_size" in progress and not ok("world_size", 1)):
-        raise ValueError(f"{path}: expected {{\"step\": N >= 0, \"world_size\": W >= 1, ...}}, got "
-                         f"{json.dumps(progress)[:80]}")
+        with open(path, "rb") as f:
+            progress = json.loads(f.read(1 << 20))  # ~200 bytes; past a MiB it is cut, so not valid JSON
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(progress, dict):
+        raise ValueError(f"{path}: expected an object {{\"step\": N, ...}}, got {json.dumps(progress)[:80]}")
+    name = ckpt.name.removeprefix(".old_")
+    for key, ok, need in _PROGRESS_FIELDS:
+        if key in progress or key == "step":
+            value = progress.get(key)
+            if not ok(value) or (key == "step" and _is_step_name(name) and value != _step_of(name)):
+                need = f"{_step_of(name)}, the step of {name}" if key == "step" and ok(value) else need
+                raise ValueError(f"{path}: {key}={json.dumps(value)[:40]}: expected {need}; was it written by "
+                                 "minigrpo?")
     return progress
+
+
+_int = lambda v, low, high: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+_num = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < float("inf")
+# progress.json's fields that the scripts read back: (name, check, what it needs)
+_PROGRESS_FIELDS = [("step", lambda v: _int(v, 0, 10**12), "an integer 0 .. 10^12"),
+                    ("world_size", lambda v: _int(v, 1, 2**20), "an integer 1 .. 2^20"),
+                    ("data_position", lambda v: _int(v, 0, 10**15), "an integer >= 0"),
+                    *((k, _num, "a finite number >= 0") for k in ("train_s", "wall_s", "t_train", "elapsed_s")),
+                    ("stopped", lambda v: v is False or isinstance(v, str), "false or a reason"),
+                    ("eval_history", lambda v: isinstance(v, list) and all(map(_num, v)), "a list of numbers")]
 
 
 # what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths. Not
@@ -725,6 +745,7 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...], record: dict | None 
         if ckpt is None:
             raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no {PROGRESS}) nor a run "
                              "directory holding one")
+    _check_complete(ckpt, d)
     saved_file = ckpt / RUN_CONFIG if (ckpt / RUN_CONFIG).is_file() else ckpt.parent / "config.json"
     try:
         saved = json.loads(saved_file.read_text())
@@ -753,6 +774,20 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...], record: dict | None 
     if changed:
         print0(f"resuming with changed flags: {', '.join(f'--{k} {saved[k]} -> {now[k]}' for k in changed)}")
     return ckpt
+
+
+def _check_complete(ckpt: Path, d: Dist):
+    """Every rank, before anything is loaded or written: the checkpoint's progress.json is sound and each rank it
+    was written by that this run has (ranks past the world size of the run that saved it start from their seeds:
+    a changed world size continues to rounding anyway) finds its RNG file, without which it would not be bitwise."""
+    with user_input("--resume"):  # wrong types, a step not the checkpoint's, a world size of 10^30
+        progress = _read_progress(ckpt)
+    missing = [RNG.format(r) for r in range(min(progress.get("world_size", 1), d.world_size))
+               if not (ckpt / RNG.format(r)).is_file()]  # fmt: skip
+    if missing:
+        raise SystemExit(f"error: cannot resume {ckpt}: {', '.join(missing)} missing (the random states of the "
+                         "rank(s) that wrote it), so the run would not continue as it would have: put the file(s) "
+                         "back, or resume from another checkpoint (--resume PATH)")
 
 
 def truncate_jsonl(path, step: int):

@@ -41,6 +41,8 @@ from checkpoint import (
     check_finite,
     check_out_dir,
     export_lora,
+    find_latest,
+    publish_model,
     release_run_dir,
     resume_point,
     run_record,
@@ -751,6 +753,8 @@ def main(argv=None):
     train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state, record)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
+    else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)
+        publish_model(find_latest(cfg.out_dir), os.path.join(cfg.out_dir, "model"), d)
     release_run_dir(cfg.out_dir)
     cleanup_dist()
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
-from lora import _fsync, _full, lora_layers
+from lora import _full, lora_layers, save_safetensors
 from model import ModelConfig, Transformer, check_size
 
 
@@ -153,8 +153,7 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
             if main:
                 part[_hf_name(k)] = v.detach().cpu().contiguous()
         if main:
-            save_file(part, path / name, metadata={"format": "pt"})
-            _fsync(path / name)
+            save_safetensors(part, path / name)
     if main and len(files) > 1:
         total = sum(v.numel() * v.element_size() for v in state.values())
         weight_map = {_hf_name(k): name for keys, name in zip(files, names) for k in keys}

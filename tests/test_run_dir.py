@@ -134,7 +134,7 @@ def test_overwrite_deletes_only_what_a_run_writes(tiny_dir, tmp_path):
     (out / "step_notes").write_text("not a checkpoint name")
     grpo.main(GRPO + ["--init", str(tiny_dir), "--out_dir", str(out), "--overwrite"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval", "latest", "metrics.jsonl",
-                                                     "minigrpo_run.json", "notes.txt", "samples.jsonl",
+                                                     "minigrpo_run.json", "model", "notes.txt", "samples.jsonl",
                                                      "step_000001", "step_notes"]  # fmt: skip
 
 
@@ -389,3 +389,27 @@ def test_a_resume_checks_the_init_weights_not_only_their_path(tiny_dir, tmp_path
         msg = fails(main, argv, *dirs)
         assert msg.startswith(f"error: cannot resume {tmp_path / name}/step_000001: the weights in --init {init} "
                               "changed since the run that wrote it started (sha256 ") and f"its {role}:" in msg, msg
+
+
+def test_rng_files_permissions_and_grpo_model(tiny_dir, tmp_path):
+    """#45 item 11: grpo.py (no LoRA) writes OUT/model, as the README's diagram shows; every safetensors file is
+    readable as the user's umask says (safetensors' own save_file makes 0600); a checkpoint missing an RNG file of a
+    rank that wrote it is refused (the resume would not be bitwise), one error line, the run as it was."""
+    run, lora = tmp_path / "run", tmp_path / "lora"
+    grpo.main(GRPO + ["--init", str(tiny_dir), "--out_dir", str(run)])
+    sft.main(SFT + ["--init", str(tiny_dir), "--out_dir", str(lora), "--lora_rank", "4"])
+    ckpt = tree(run / "step_000001")
+    assert all(ckpt[k] == v for k, v in tree(run / "model").items() if k != checkpoint.PUBLISHED)
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(tree(run / "model"))
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [*run.rglob("*.safetensors"), *lora.rglob("*.safetensors")]
+    assert {f.relative_to(tmp_path).as_posix() for f in files} >= {
+        "run/model/model.safetensors", "run/step_000001/model.safetensors", "lora/model/model.safetensors",
+        "lora/adapter/adapter_model.safetensors", "lora/step_000002/adapter_model.safetensors"}  # fmt: skip
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}
+    (run / "step_000001" / "rng_rank0.pt").unlink()
+    msg = fails(grpo.main, GRPO + ["--init", str(tiny_dir), "--out_dir", str(run), "--steps", "2"], tmp_path)
+    assert msg == (f"error: cannot resume {run}/step_000001: rng_rank0.pt missing (the random states of the rank(s) "
+                   "that wrote it), so the run would not continue as it would have: put the file(s) back, or resume "
+                   "from another checkpoint (--resume PATH)")

@@ -748,9 +748,13 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...], record: dict | None 
     _check_complete(ckpt, d)
     saved_file = ckpt / RUN_CONFIG if (ckpt / RUN_CONFIG).is_file() else ckpt.parent / "config.json"
     try:
-        saved = json.loads(saved_file.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
+        with open(saved_file, "rb") as f:
+            saved = json.loads(f.read(1 << 20))  # a few KB; past a MiB it is cut, so not valid JSON
+        if not isinstance(saved, dict):
+            raise ValueError(f"a {type(saved).__name__}, not an object of flags")
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else _one_line(e)
+        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({why})") from None
     now = record or dataclasses.asdict(cfg)
     was, sha = saved.get("init_sha256"), now.get("init_sha256")
     if was and sha and was != sha and _same(saved.get("init"), now["init"]):
@@ -780,8 +784,10 @@ def _check_complete(ckpt: Path, d: Dist):
     """Every rank, before anything is loaded or written: the checkpoint's progress.json is sound and each rank it
     was written by that this run has (ranks past the world size of the run that saved it start from their seeds:
     a changed world size continues to rounding anyway) finds its RNG file, without which it would not be bitwise."""
-    with user_input("--resume"):  # wrong types, a step not the checkpoint's, a world size of 10^30
+    try:  # wrong types, a step not the checkpoint's (10^30), a world size of 0
         progress = _read_progress(ckpt)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot resume {ckpt}: {_one_line(e)}") from None
     missing = [RNG.format(r) for r in range(min(progress.get("world_size", 1), d.world_size))
                if not (ckpt / RNG.format(r)).is_file()]  # fmt: skip
     if missing:
@@ -797,15 +803,15 @@ def truncate_jsonl(path, step: int):
     if not path.is_file():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # a torn line, or bytes no run wrote (not UTF-8, a JSON bomb)
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            keep.append(line + "\n")
+            keep.append(line + b"\n")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
+    tmp.write_bytes(b"".join(keep))
     os.replace(tmp, path)
 
 

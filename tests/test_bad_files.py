@@ -125,9 +125,10 @@ def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
         "rng_pickle": ("rng_rank0.pt", pickle.dumps(Payload()), "rng_rank0.pt: unreadable (the weights-only unpickler "
                                                                  "refused it: "),
         "rng_no_keys": ("rng_rank0.pt", None, "rng_rank0.pt: no RNG states (python, numpy, torch) in it"),
-        "progress_no_step": ("progress.json", b'{"world_size": 1}', 'progress.json: expected {"step": N >= 0'),
-        "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: expected {"step": N >= 0'),
-        "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (Expecting"),
+        # (progress.json: "cannot resume X: ...", checked before anything is loaded)
+        "progress_no_step": ("progress.json", b'{"world_size": 1}', "progress.json: step=null: expected an integer"),
+        "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: step="abc": expected an integer'),
+        "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (JSONDecodeError: Expect"),
     }
     import torch
 
@@ -140,7 +141,8 @@ def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
             (run / ckpt / file).write_bytes(data)
         argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(run), "--steps", "2"]
         msg = fails(grpo.main, argv, run, tiny_dir)
-        assert msg.startswith(f"error: cannot load checkpoint {run}/{ckpt}: ") and want in msg, (name, msg)
+        lead = "resume" if file == "progress.json" else "load checkpoint"
+        assert msg.startswith(f"error: cannot {lead} {run}/{ckpt}: ") and want in msg, (name, msg)
 
 
 def test_flag_table(tiny_dir, tmp_path):
@@ -180,11 +182,16 @@ def test_data_rows_table(tiny_dir, tmp_path):
         "list_answer": ({**good, "answer": [1]}, "row 2: field 'answer' is [1], not a string or a number"),
         "no_answer": ({"problem": "p", "solution": "none"}, "row 2: no field 'answer' and no \\boxed{...}"),
         "bool_answer": ({**good, "answer": True}, "row 2: field 'answer' is True, not a string or a number"),
+        # #45 item 10: a file that is not UTF-8 text or not JSON a parser survives names the file and the row
+        "not_utf8": (b'{"problem": "\xff\xfe"}', "row 2: not UTF-8 text (byte "),
+        "bomb": ("[" * 100_000, "row 2: not valid JSON (nested too deeply)"),
+        "big_int": ('{"problem": "p", "answer": ' + "9" * 5000 + "}", "row 2: not valid JSON (Exceeds the limit"),
     }
     out = tmp_path / "out"
     for name, (row, want) in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        path.write_text(json.dumps({**good, "answer": "1"}) + "\n" + json.dumps(row) + "\n")
+        row = row.encode() if isinstance(row, str) else row if isinstance(row, bytes) else json.dumps(row).encode()
+        path.write_bytes(json.dumps({**good, "answer": "1"}).encode() + b"\n" + row + b"\n")
         argv = GRPO + ["--init", str(tiny_dir), "--task", "math", "--data_path", str(path), "--split", "test",
                        "--eval_split", "test", "--out_dir", str(out)]  # fmt: skip
         msg = fails(grpo.main, argv, out, path)

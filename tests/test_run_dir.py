@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import checkpoint
+import common
 import eval as evaluation
 import grpo
 import sft
@@ -413,3 +414,52 @@ def test_rng_files_permissions_and_grpo_model(tiny_dir, tmp_path):
     assert msg == (f"error: cannot resume {run}/step_000001: rng_rank0.pt missing (the random states of the rank(s) "
                    "that wrote it), so the run would not continue as it would have: put the file(s) back, or resume "
                    "from another checkpoint (--resume PATH)")
+
+
+def test_bad_progress_run_config_and_logs(tiny_dir, tmp_path, monkeypatch):
+    """#45 item 10: a checkpoint's progress.json (wrong types, a step that is not its dir's, absurd sizes) and run
+    config (a JSON bomb, not an object) are one error line before anything is rewritten; bytes no run wrote in
+    metrics.jsonl (not UTF-8, a JSON bomb) are dropped with the torn lines on resume, not a traceback; --dist_timeout
+    is checked before init_dist (under torchrun it would wait that long)."""
+    run = tmp_path / "run"
+    argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(run)]
+    grpo.main(argv)
+    ckpt = run / "step_000001"
+    good = {name: (ckpt / name).read_bytes() for name in ("progress.json", "run_config.json")}
+    progress = json.loads(good["progress.json"])
+    bad_progress = {  # progress.json's content -> what the error says after "{ckpt}/progress.json: "
+        '{"step": "1"}': 'step="1": expected an integer 0 .. 10^12',
+        json.dumps({**progress, "step": 10**30}): f"step={10**30}: expected an integer 0 .. 10^12",
+        json.dumps({**progress, "step": 5}): "step=5: expected 1, the step of step_000001",
+        json.dumps({**progress, "world_size": 0}): "world_size=0: expected an integer 1 .. 2^20",
+        json.dumps({**progress, "train_s": "abc"}): 'train_s="abc": expected a finite number >= 0',
+        json.dumps({**progress, "wall_s": None}): "wall_s=null: expected a finite number >= 0",
+        json.dumps({**progress, "stopped": 5}): "stopped=5: expected false or a reason",
+        json.dumps({**progress, "eval_history": "x"}): 'eval_history="x": expected a list of numbers',
+        "[1]": "expected an object",
+        "[" * 100_000: "not valid JSON (RecursionError",
+        '{"step": 1' + " " * (1 << 20) + "}": "not valid JSON",
+    }  # fmt: skip
+    for text, want in bad_progress.items():
+        (ckpt / "progress.json").write_text(text)
+        msg = fails(grpo.main, argv + ["--steps", "2"], tmp_path)
+        assert msg.startswith(f"error: cannot resume {ckpt}: {ckpt}/progress.json: {want}"), (text[:40], msg)
+    (ckpt / "progress.json").write_bytes(good["progress.json"])
+    for text, want in {"[" * 100_000: "(nested too deeply)", '"flags"': "(a str, not an object of flags)"}.items():
+        (ckpt / "run_config.json").write_text(text)
+        msg = fails(grpo.main, argv + ["--steps", "2"], tmp_path)
+        assert msg == f"error: cannot resume {ckpt}: its run config {ckpt}/run_config.json is unreadable {want}", msg
+    (ckpt / "run_config.json").write_bytes(good["run_config.json"])
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 7, "loss": "\xff"}\n' + b"[" * 100_000 + b"\n")
+    grpo.main(argv + ["--steps", "2"])
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_bytes().splitlines()] == [1, 2]
+
+    def init_dist(*args, **kwargs):
+        raise AssertionError("init_dist ran before --dist_timeout was checked")
+
+    monkeypatch.setattr(common, "init_dist", init_dist)
+    for main, args in ((grpo.main, argv), (sft.main, SFT), (evaluation.main, ["--model", str(tiny_dir)])):
+        for value in ("0", "-1", "inf", "nan"):
+            msg = fails(main, args + ["--dist_timeout", value], tmp_path)
+            assert msg == f"error: --dist_timeout {float(value)}: need a positive finite number", msg

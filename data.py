@@ -352,7 +352,13 @@ def format_prompt(question: str, template: str, tokenizer=None) -> tuple[str, st
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("template 'chat' needs a tokenizer with a chat template; use 'r1' for base models")
         messages = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:  # the template is the model dir's code (jinja2, sandboxed): any error it raises is the dir's
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # TemplateSyntaxError, UndefinedError, SecurityError, raise_exception, TypeError, ...
+            raise ValueError(f"the tokenizer's chat template fails ({type(e).__name__}: {e}): fix its chat_template "
+                             "(tokenizer_config.json or chat_template.jinja), or use --template r1") from None
+        if not isinstance(text, str):
+            raise ValueError(f"the tokenizer's chat template gave a {type(text).__name__}, not text")
         return text, THINK if text.rstrip().endswith(THINK) else ""
     raise ValueError(f"unknown template {template!r}: expected one of {TEMPLATES}")
 

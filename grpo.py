@@ -568,7 +568,8 @@ def load_prompts(cfg: GRPOConfig, tok, model_cfg) -> Prompts:
                          f"the model's max_position_embeddings={max_pos}: lower --max_new_tokens")
     evals = []
     if cfg.eval_every:
-        evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+        with user_input("--template"):
+            evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
     with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
         check_token_ids(ids + eval_ids, model_cfg.vocab_size, "the prompts")

@@ -331,10 +331,9 @@ def tokenizer_and_config(cfg: SFTConfig):
 def build_examples(rows: list[dict], tok, template: str, eos_id: int) -> list[tuple[list[int], list[int]]]:
     """Every row as (ids, labels), tokenized once: its prompt, its worked solution, EOS."""
     examples = []
-    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        format_prompt(rows[0]["question"], template, tok)
     for r in rows:
-        prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
+        with user_input("--template"):  # e.g. chat on a tokenizer without a chat template, or a failing one
+            prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
         with user_input("data"):  # a row without a worked solution
             target = tok.encode(sft_target(r, response_start), add_special_tokens=False)
         examples.append(build_example(encode_prompt(tok, prompt, template), target, eos_id))
@@ -345,7 +344,9 @@ def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, model_cfg) -> tuple[
     """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions, or holding ids past its
     vocabulary. -> the longest example's and the longest eval prompt's tokens."""
     max_len = model_cfg.max_position_embeddings
-    eval_ids = [encode_prompt(tok, format_prompt(r["question"], cfg.template, tok)[0], cfg.template) for r in eval_rows]
+    with user_input("--template"):
+        eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+    eval_ids = [encode_prompt(tok, p, cfg.template) for p in eval_prompts]
     with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
         check_token_ids([ids for ids, _ in examples] + eval_ids, model_cfg.vocab_size, "the examples")
     longest = max(len(ids) for ids, _ in examples)

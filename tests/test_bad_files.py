@@ -196,3 +196,26 @@ def test_data_rows_table(tiny_dir, tmp_path):
                        "--eval_split", "test", "--out_dir", str(out)]  # fmt: skip
         msg = fails(grpo.main, argv, out, path)
         assert msg == f"error: data: {path}: {want}" or msg.startswith(f"error: data: {path}: {want}"), (name, msg)
+
+
+def test_chat_template_errors(tiny_dir, tmp_path):
+    """#45 item 10: a chat template that fails (a syntax error, an undefined name, the sandbox refusing an attribute,
+    raise_exception, a type error) is one error line naming the template, in every stage, the dirs as they were."""
+    from transformers import AutoTokenizer
+
+    templates = {"syntax": "{% for %}", "undefined": "{{ nothing.at.all }}",
+                 "sandbox": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                 "raises": "{{ raise_exception('no system role') }}", "type": "{{ messages + 1 }}"}  # fmt: skip
+    out = tmp_path / "out"
+    for name, template in templates.items():
+        model = tmp_path / name
+        shutil.copytree(tiny_dir, model)
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.chat_template = template
+        tok.save_pretrained(model)
+        init = ["--init", str(model), "--template", "chat"]
+        cases = [(grpo.main, GRPO + init), (sft.main, ["--split", "train[:8]", "--eval_split", "test[:2]"] + init),
+                 (evaluation.main, ["--model", str(model), "--template", "chat"])]
+        for main, argv in cases:
+            msg = fails(main, argv + ["--out_dir", str(out)], out, model)
+            assert msg.startswith("error: --template: the tokenizer's chat template fails ("), (name, msg)

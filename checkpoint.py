@@ -541,8 +541,10 @@ def run_stage(path) -> str | None:
 def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
     """Read only. Refuse an out_dir a run of `stage` must not write into: an existing non-empty directory that is not
     such a run (a model dir, another stage's run, anything else), one that is, holds or is inside the --init model,
-    or (sft, grpo) one whose model/ or adapter/, which the run replaces at its end, holds files it did not write."""
+    or (sft, grpo) one whose model/ or adapter/, which the run replaces at its end, holds files it did not write;
+    or a path no run can write into (a symlink loop, a dangling symlink, a path under a file, a read-only dir)."""
     out = Path(out)
+    _check_writable(out, what)
     if init is not None and Path(init).exists():
         init_dir = Path(init).resolve()
         if init_dir == out.resolve() or out.resolve() in init_dir.parents:
@@ -565,6 +567,21 @@ def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
     what_it_is = f"a run of {found}.py" if found else f"not a minigrpo run (no valid {MARKER})"
     raise SystemExit(f"error: {what} {out} exists and is {what_it_is}: {stage}.py writes only into a new or empty "
                      f"directory or one of its own runs; nothing was changed. Pick another {what}")
+
+
+def _check_writable(out: Path, what: str):
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise SystemExit(f"error: {what} {out}: {_one_line(e)}: pick another {what}") from None
+    if out.is_symlink() and not out.exists():
+        raise SystemExit(f"error: {what} {out} is a symlink to {os.readlink(out)}, which does not exist: create it, "
+                         f"or pick another {what}")
+    above = next(p for p in (real, *real.parents) if p.exists())  # the dir it is made in (or itself)
+    if above != real and not above.is_dir():
+        raise SystemExit(f"error: {what} {out} is under {above}, a file, not a directory: pick another {what}")
+    if above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {what} {out}: {above} is not writable by this user: pick another {what}")
 
 
 def mark_run_dir(out, stage: str):

@@ -73,6 +73,8 @@ def places(tiny_dir, tmp_path):
         (other / d).mkdir(parents=True)
         (other / d / "data.bin").write_bytes(os.urandom(64))
     (tmp_path / "a_file").write_text("notes")
+    (tmp_path / "loop").symlink_to("loop")  # paths no run can be made in (#45 item 10)
+    (tmp_path / "dangling").symlink_to("nowhere")
     fake_run(tmp_path / "sft_run", stage="sft")
     fake_run(tmp_path / "run")
     fake_run(tmp_path / "legacy", marker=False)  # no marker: config.json's flags alone do not make it a run
@@ -95,6 +97,13 @@ def test_out_dir_table(places):
         (grpo.main, init + ["--out_dir", str(t / "sft_run"), "--overwrite"],
          f"error: --out_dir {t}/sft_run exists and is a run of sft.py: grpo.py writes only into"),
         (grpo.main, init + ["--out_dir", str(t / "a_file")], f"error: --out_dir {t}/a_file is a file, not a directory"),
+        (grpo.main, init + ["--out_dir", str(t / "loop")], f"error: --out_dir {t}/loop: Symlink loop from '{t}/loop'"),
+        (grpo.main, init + ["--out_dir", str(t / "dangling")],
+         f"error: --out_dir {t}/dangling is a symlink to nowhere, which does not exist: create it, or pick another"),
+        (grpo.main, init + ["--out_dir", str(t / "a_file" / "sub")],
+         f"error: --out_dir {t}/a_file/sub is under {t}/a_file, a file, not a directory: pick another --out_dir"),
+        (evaluation.main, ["--model", str(t / "init"), "--out_dir", str(t / "a_file" / "sub")], "is under"),
+        (sft.main, ["--out_dir", str(t / "loop")], "Symlink loop"),
         (grpo.main, init + ["--out_dir", str(t / "legacy"), "--resume", "none"],
          f"error: --out_dir {t}/legacy exists and is not a minigrpo run"),  # only the marker makes a run
         (grpo.main, init + ["--out_dir", str(t / "run"), "--overwrite", "--gen_batch", "0"],

@@ -392,6 +392,7 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     ckpt_dir = Path(ckpt_dir)
     progress = _read_progress(ckpt_dir)
     state, optim_sd = _train_state(model, optimizer)
+    _Reader(ckpt_dir / TRAIN_STATE).read_metadata()  # first: a bad file is one line, not DCP's logged tracebacks
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), planner=_TensorsOnly(), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
         state["model"]["lm_head.weight"] = state["model"]["embed_tokens.weight"]
@@ -473,9 +474,15 @@ class _Reader(dcp.FileSystemReader):
     file of this directory."""
 
     def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _AllowlistUnpickler(f).load()
-        _check_metadata(Path(self.path) / ".metadata", metadata)
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _AllowlistUnpickler(f).load()
+        except OSError:
+            raise
+        except Exception as e:  # garbage: whatever the unpickler makes of it
+            raise ValueError(f"{path}: not DCP metadata ({type(e).__name__}: {_one_line(e)})") from None
+        _check_metadata(path, metadata)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

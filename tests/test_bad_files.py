@@ -118,7 +118,7 @@ class Payload:
         return (print, ("pwned",))  # a pickle that would call a function when loaded
 
 
-def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
+def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path, capfd):
     ckpt = "step_000001"
     cases = {  # file in the checkpoint -> (its new bytes, the part of the error after "cannot load checkpoint X: ")
         "rng_garbage": ("rng_rank0.pt", b"\x00garbage" * 10, "rng_rank0.pt: unreadable ("),
@@ -129,6 +129,9 @@ def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
         "progress_no_step": ("progress.json", b'{"world_size": 1}', "progress.json: step=null: expected an integer"),
         "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: step="abc": expected an integer'),
         "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (JSONDecodeError: Expect"),
+        # #45 item 10: read before DCP, which would log two tracebacks of its own before the error line
+        "metadata_garbage": ("train_state/.metadata", b"garbage\n", "train_state/.metadata: not DCP metadata (ValueE"),
+        "metadata_empty": ("train_state/.metadata", b"", "train_state/.metadata: not DCP metadata (EOFError: Ran out"),
     }
     import torch
 
@@ -143,6 +146,7 @@ def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
         msg = fails(grpo.main, argv, run, tiny_dir)
         lead = "resume" if file == "progress.json" else "load checkpoint"
         assert msg.startswith(f"error: cannot {lead} {run}/{ckpt}: ") and want in msg, (name, msg)
+        assert "Traceback" not in capfd.readouterr().err, name
 
 
 def test_flag_table(tiny_dir, tmp_path):

@@ -54,11 +54,13 @@ import socket
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -197,37 +199,63 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     final, tmp = run_dir / name, run_dir / f".tmp_{name}"
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with _writing(final):
+            tmp.mkdir(parents=True)
     barrier()
     # every rank: its RNG file, its shard of the training state, its part in gathering the HF weights
-    _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
-    state, _ = _train_state(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
-    if lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
-        save_adapter(model, tmp, tokenizer)
-    else:
-        save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
+    with _writing(final):
+        _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
+        state, _ = _train_state(model, optimizer)
+        dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
+        if lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
+            save_adapter(model, tmp, tokenizer)
+        else:
+            save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
     barrier()  # every rank's files are written and fsynced
     if d.is_main:
-        if config is not None:
-            _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
-        progress = {"step": step, "world_size": d.world_size, **(extra_state or {})}
-        _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
-        _fault("after_tmp_write", step)
-        for path in (tmp / TRAIN_STATE, tmp):
-            _fsync(path)
-        old = run_dir / f".old_{name}"
-        if final.exists():  # re-saving the same step: move the old copy aside, then delete it
-            final.rename(old)
-        tmp.rename(final)
-        _fsync(run_dir)
-        _write_latest(run_dir, name)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in _checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            if stale.name != name:
-                _remove_dir(stale)
+        with _writing(final):
+            _finish_checkpoint(tmp, final, step, d, extra_state, config, keep)
     barrier()
     return final
+
+
+@contextmanager
+def _writing(final: Path):
+    """A checkpoint that cannot be written (a full disk, a read-only or vanished filesystem) stops the run with one
+    error line; the newest complete checkpoint stays the one a restart continues from."""
+    try:
+        yield
+    except (OSError, SafetensorError, dcp.CheckpointException) as e:
+        try:
+            latest = find_latest(final.parent)
+        except ValueError:
+            latest = None
+        raise SystemExit(f"error: cannot write checkpoint {final}: {_one_line(e)}; the newest complete checkpoint is "
+                         f"{latest or 'none'}: free space (or fix the filesystem), then run the same command again "
+                         "to continue from it") from None
+
+
+def _finish_checkpoint(tmp: Path, final: Path, step: int, d: Dist, extra_state, config, keep: int):
+    """Rank 0: the run config and progress.json (last: the mark of a complete checkpoint), the renames, `latest`,
+    the pruning."""
+    run_dir, name = final.parent, final.name
+    if config is not None:
+        _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
+    progress = {"step": step, "world_size": d.world_size, **(extra_state or {})}
+    _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
+    _fault("after_tmp_write", step)
+    for path in (tmp / TRAIN_STATE, tmp):
+        _fsync(path)
+    old = run_dir / f".old_{name}"
+    if final.exists():  # re-saving the same step: move the old copy aside, then delete it
+        final.rename(old)
+    tmp.rename(final)
+    _fsync(run_dir)
+    _write_latest(run_dir, name)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in _checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if stale.name != name:
+            _remove_dir(stale)
 
 
 def _train_state(model, optimizer) -> tuple[dict, dict | None]:

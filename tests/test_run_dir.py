@@ -472,3 +472,41 @@ def test_bad_progress_run_config_and_logs(tiny_dir, tmp_path, monkeypatch):
         for value in ("0", "-1", "inf", "nan"):
             msg = fails(main, args + ["--dist_timeout", value], tmp_path)
             assert msg == f"error: --dist_timeout {float(value)}: need a positive finite number", msg
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_line(tiny_dir, tmp_path, monkeypatch):
+    """#45 item 10: a full disk while a checkpoint is written (safetensors' SafetensorError, DCP's failure, an
+    OSError) stops the run with one error line; the previous checkpoint stays complete and the same command then
+    continues from it."""
+    import errno
+    import traceback
+
+    from safetensors import SafetensorError
+
+    import hf
+
+    run = tmp_path / "run"
+    argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(run), "--save_every", "1"]
+    grpo.main(argv)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    dcp_failure = checkpoint.dcp.CheckpointException("save", {0: (RuntimeError("unexpected pos 4096 vs 8192"),
+                                                                  traceback.StackSummary())})  # fmt: skip
+    cases = [(hf, "save_safetensors", SafetensorError("Error while serializing: IoError(No space left on device)"),
+              "Error while serializing: IoError(No space left on device)"),
+             (checkpoint.dcp, "save", dcp_failure, "unexpected pos 4096 vs 8192"),
+             (checkpoint, "save_model", full, "[Errno 28] No space left on device")]  # fmt: skip
+    ckpt = tree(run / "step_000001")
+    for module, name, error, shown in cases:
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        with monkeypatch.context() as m:
+            m.setattr(module, name, fail)
+            with pytest.raises(SystemExit) as e:
+                grpo.main(argv + ["--steps", "2"])
+        assert e.value.code == (f"error: cannot write checkpoint {run}/step_000002: {shown}; the newest complete "
+                                f"checkpoint is {run}/step_000001: free space (or fix the filesystem), then run the "
+                                "same command again to continue from it"), e.value.code
+        assert tree(run / "step_000001") == ckpt and checkpoint.find_latest(run) == run / "step_000001"
+    grpo.main(argv + ["--steps", "2"])
+    assert checkpoint.find_latest(run) == run / "step_000002"

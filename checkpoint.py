@@ -22,6 +22,9 @@ One run directory:
         progress.json        step, world size, data position, clock, ...: written last, the mark of a complete one
         run_config.json      the config that wrote it (what --resume compares a new run against)
     run/latest               name of the newest complete checkpoint, written last
+    run/model/               at the end: copies of the last checkpoint's model files (publish_model; LoRA: the merged
+                             model, and run/adapter/), minigrpo_files.json naming them: a later publish replaces only
+                             those, and a run refuses to start while anything else is there
 
 Sharded: under FSDP2 each rank writes and reads only its own shard of the weights and the optimizer state
 (under DDP the replicated tensors are split among the ranks for writing); no rank ever builds the full state. DCP

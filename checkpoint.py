@@ -432,6 +432,9 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
         set_optimizer_state_dict(model, optimizer, optim_sd)
     rank_state = {}
     rng_file = ckpt_dir / RNG.format(d.rank)
+    if not rng_file.is_file() and d.rank < progress.get("world_size", 1):
+        raise ValueError(f"{rng_file}: missing, though rank {d.rank} wrote the checkpoint: the run would not continue "
+                         "as it would have")
     if rng_file.is_file():
         try:
             rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors, whoever wrote it

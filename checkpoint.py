@@ -223,9 +223,9 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
 
 
 @contextmanager
-def _writing(final: Path):
-    """A checkpoint that cannot be written (a full disk, a read-only or vanished filesystem) stops the run with one
-    error line; the newest complete checkpoint stays the one a restart continues from."""
+def _writing(final: Path, what: str = "checkpoint "):
+    """A checkpoint (or OUT/model) that cannot be written (a full disk, a read-only or vanished filesystem) stops the
+    run with one error line; the newest complete checkpoint stays the one the same command continues from."""
     try:
         yield
     except (OSError, SafetensorError, dcp.CheckpointException) as e:
@@ -233,7 +233,7 @@ def _writing(final: Path):
             latest = find_latest(final.parent)
         except ValueError:
             latest = None
-        raise SystemExit(f"error: cannot write checkpoint {final}: {_one_line(e)}; the newest complete checkpoint is "
+        raise SystemExit(f"error: cannot write {what}{final}: {_one_line(e)}; the newest complete checkpoint is "
                          f"{latest or 'none'}: free space (or fix the filesystem), then run the same command again "
                          "to continue from it") from None
 
@@ -333,13 +333,14 @@ def publish_model(ckpt_dir, dst, d: Dist):
     if d.is_main:
         tmp = dst.with_name(f".tmp_{dst.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in ckpt_dir.iterdir():
-            if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
-                continue  # training state, not the model
-            shutil.copy2(f, tmp / f.name)
-            _fsync(tmp / f.name)
-        _swap_in(tmp, dst)
+        with _writing(dst, ""):
+            tmp.mkdir(parents=True)
+            for f in ckpt_dir.iterdir():
+                if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
+                    continue  # training state, not the model
+                shutil.copy2(f, tmp / f.name)
+                _fsync(tmp / f.name)
+            _swap_in(tmp, dst)
     barrier()
 
 
@@ -353,9 +354,10 @@ def export_lora(model, tokenizer, out_dir, d: Dist):
         tmp = dst.with_name(f".tmp_{name}")
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        save(model, tmp, tokenizer)
-        if d.is_main:
-            _swap_in(tmp, dst)
+        with _writing(dst, ""):
+            save(model, tmp, tokenizer)
+            if d.is_main:
+                _swap_in(tmp, dst)
     barrier()
 
 

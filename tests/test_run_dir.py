@@ -508,5 +508,17 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_line(tiny_dir, tmp_pat
                                 f"checkpoint is {run}/step_000001: free space (or fix the filesystem), then run the "
                                 "same command again to continue from it"), e.value.code
         assert tree(run / "step_000001") == ckpt and checkpoint.find_latest(run) == run / "step_000001"
+    def fsync(path):  # the disk fills up while OUT/model is copied (the last checkpoint is written)
+        if ".tmp_model" in str(path):
+            raise full
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_fsync", fsync)
+        with pytest.raises(SystemExit) as e:
+            grpo.main(argv + ["--steps", "2"])
+    assert e.value.code == (f"error: cannot write {run}/model: [Errno 28] No space left on device; the newest complete "
+                            f"checkpoint is {run}/step_000002: free space (or fix the filesystem), then run the same "
+                            "command again to continue from it"), e.value.code
     grpo.main(argv + ["--steps", "2"])
     assert checkpoint.find_latest(run) == run / "step_000002"
+    assert json.loads((run / "model" / checkpoint.PUBLISHED).read_text()) == sorted(os.listdir(run / "model"))

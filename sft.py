@@ -313,7 +313,7 @@ def tokenizer_and_config(cfg: SFTConfig):
             special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
             overrides = parse_knobs(cfg.model_overrides)
-            model_cfg = model_lib.preset_config(cfg.model, len(tok), **special, **overrides)
+            model_cfg = model_lib.preset_config(cfg.model, **{"vocab_size": len(tok), **special, **overrides})
             if cfg.size_limits:
                 model_lib.check_size(model_cfg)
         return None, model_cfg, tok
@@ -347,7 +347,7 @@ def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, model_cfg) -> tuple[
     with user_input("--template"):
         eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, p, cfg.template) for p in eval_prompts]
-    with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
+    with user_input("--init" if cfg.init else "--model_overrides"):  # ids past the model's vocabulary
         check_token_ids([ids for ids, _ in examples] + eval_ids, model_cfg.vocab_size, "the examples")
     longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
@@ -527,7 +527,7 @@ def main(argv=None):
     with user_input("data"):
         rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
     path, model_cfg, tok = tokenizer_and_config(cfg)
-    with user_input("--init"):  # a model directory without any stop token
+    with user_input("--init" if cfg.init else "--model_overrides"):  # no stop token, or one past the vocabulary
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
     # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
     examples = build_examples(rows, tok, cfg.template, eos_ids[0])

@@ -162,6 +162,10 @@ def test_flag_table(tiny_dir, tmp_path):
         (sft.main, ["--model_overrides", "num_hidden_layers=20000"],
          "error: --model_overrides: num_hidden_layers=20000 is over minigrpo's sanity limit 1024"),
         (sft.main, ["--model_overrides", "hiden_size=64"], "error: --model_overrides: unknown config fields"),
+        (sft.main, ["--model_overrides", "vocab_size=40"],  # #45 items 5, 10: was a TypeError (vocab_size twice)
+         "error: --model_overrides: the examples tokenize to id 99, past config.json's vocab_size 40"),
+        (sft.main, ["--model_overrides", "eos_token_id=500"],
+         "error: --model_overrides: config.json's eos_token_id 500 is not a token id of this model"),
         (sft.main, ["--global_batch", "0"], "error: --global_batch 0: need at least 1"),
         (evaluation.main, ["--model", str(tiny_dir), "--template", "chat"], "error: --template: template 'chat'"),
         (evaluation.main, ["--model", str(tiny_dir), "--pass_k", "0,8"], "error: --pass_k (0, 8): need at least 1"),

@@ -22,6 +22,9 @@ One run directory:
         progress.json        step, world size, data position, clock, ...: written last, the mark of a complete one
         run_config.json      the config that wrote it (what --resume compares a new run against)
     run/latest               name of the newest complete checkpoint, written last
+    run/model/               at the end: copies of the last checkpoint's model files (publish_model; LoRA: the merged
+                             model, and run/adapter/), minigrpo_files.json naming them: a later publish replaces only
+                             those, and a run refuses to start while anything else is there
 
 Sharded: under FSDP2 each rank writes and reads only its own shard of the weights and the optimizer state
 (under DDP the replicated tensors are split among the ranks for writing); no rank ever builds the full state. DCP
@@ -35,14 +38,15 @@ a crash at any instant leaves the previous checkpoint the newest complete one. S
 on a shared filesystem (each rank writes its own files into it). DCP does not promise to read checkpoints written
 by another torch version: resume with the torch that wrote them (the HF weights load anywhere).
 
-Safe: a stage only ever deletes or rewrites a directory that is one of its own runs (check_out_dir: the marker, or
-a run from before the marker existed, recognised by its config.json holding a stage's resolved flags), never the
---init model; every check runs before anything is written, and the writes happen under the lock (start_or_resume).
+Safe: a stage only ever deletes or rewrites a directory that is one of its own runs (check_out_dir: its marker, and
+nothing else, says so), never the --init model; every check runs before anything is written, and the writes happen
+under the lock (start_or_resume).
 """
 
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -53,11 +57,13 @@ import socket
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -91,7 +97,7 @@ TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not pa
 # what a resumed run must share with the run that wrote its checkpoint, in every stage (the start model, the data,
 # the seed, the stored weights' dtype, the LoRA adapters): resume_point refuses a checkpoint that differs in these or
 # in the stage's own `must_match` (e.g. its batch shape); other flags (lr, steps, loss, dist, world size, the compute
-# --dtype, ...) may change
+# --dtype, ...) may change. The --init weights are also compared by content (run_record's init_sha256)
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "data_seed", "task_knobs", "template", "seed",
                      "weights_dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 
@@ -113,9 +119,27 @@ def find_latest(run_dir) -> Path | None:
         ckpt = _complete_copy(run_dir, name)
         if ckpt is not None:
             return ckpt
-    names = {p.name for p in run_dir.glob("step_*")} | {p.name[5:] for p in _restorable(run_dir)}
-    done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names)) if c is not None]
+    names = {p.name for p in _checkpoints(run_dir)} | {p.name[5:] for p in _restorable(run_dir)}
+    done = [c for c in (_complete_copy(run_dir, n) for n in sorted(names, key=_step_of)) if c is not None]
     return done[-1] if done else None
+
+
+def _checkpoints(run_dir: Path, prefix: str = "") -> list[Path]:
+    """The checkpoints minigrpo wrote in run_dir, oldest first: dirs named step_N exactly as save_checkpoint names
+    them, holding a progress.json. Nothing else is pruned, dropped or resumed from, nor takes a --keep slot (a user's
+    step_000002_backup/ or step_notes/). prefix ".tmp_", ".old_", ".del_": the dirs of an interrupted save or delete,
+    .{prefix}step_N, complete or not."""
+    found = [p for p in run_dir.glob(f"{prefix}step_*") if _is_step_name(p.name[len(prefix):])
+             and p.is_dir() and not p.is_symlink() and (prefix or is_checkpoint(p))]  # fmt: skip
+    return sorted(found, key=lambda p: _step_of(p.name[len(prefix):]))
+
+
+def _is_step_name(name: str) -> bool:
+    return bool(STEP_NAME.fullmatch(name)) and name == f"step_{_step_of(name):06d}"  # not step_0000001
+
+
+def _step_of(name: str) -> int:
+    return int(name.removeprefix("step_"))
 
 
 def _read_latest(run_dir: Path) -> str | None:
@@ -145,7 +169,7 @@ def _complete_copy(run_dir: Path, name: str) -> Path | None:
 
 def _restorable(run_dir: Path) -> list[Path]:
     """Complete .old_step_N copies whose step_N is missing: a re-save of step N cut between its two renames."""
-    return [p for p in sorted(run_dir.glob(".old_step_*")) if is_checkpoint(p) and not (run_dir / p.name[5:]).exists()]
+    return [p for p in _checkpoints(run_dir, ".old_") if is_checkpoint(p) and not (run_dir / p.name[5:]).exists()]
 
 
 def is_checkpoint(path) -> bool:
@@ -178,37 +202,63 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, extra_state: dict | No
     final, tmp = run_dir / name, run_dir / f".tmp_{name}"
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with _writing(final):
+            tmp.mkdir(parents=True)
     barrier()
     # every rank: its RNG file, its shard of the training state, its part in gathering the HF weights
-    _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
-    state, _ = _train_state(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
-    if lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
-        save_adapter(model, tmp, tokenizer)
-    else:
-        save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
+    with _writing(final):
+        _write_fsynced(tmp / RNG.format(d.rank), lambda f: torch.save({"rng": _rng_state(), **(rank_state or {})}, f))
+        state, _ = _train_state(model, optimizer)
+        dcp.save(state, checkpoint_id=tmp / TRAIN_STATE, no_dist=not is_dist())
+        if lora_layers(model):  # LoRA: only what trains, the adapter (PEFT format); the base stays where it is
+            save_adapter(model, tmp, tokenizer)
+        else:
+            save_model(model, tmp, tokenizer)  # rank 0 writes, one file (<= 2 GiB) at a time
     barrier()  # every rank's files are written and fsynced
     if d.is_main:
-        if config is not None:
-            _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
-        progress = {"step": step, "world_size": d.world_size, **(extra_state or {})}
-        _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
-        _fault("after_tmp_write", step)
-        for path in (tmp / TRAIN_STATE, tmp):
-            _fsync_dir(path)
-        old = run_dir / f".old_{name}"
-        if final.exists():  # re-saving the same step: move the old copy aside, then delete it
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(run_dir)
-        _write_latest(run_dir, name)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in sorted(run_dir.glob("step_*"))[:-keep] if keep > 0 else []:
-            if stale.name != name:
-                _remove_dir(stale)
+        with _writing(final):
+            _finish_checkpoint(tmp, final, step, d, extra_state, config, keep)
     barrier()
     return final
+
+
+@contextmanager
+def _writing(final: Path, what: str = "checkpoint "):
+    """A checkpoint (or OUT/model) that cannot be written (a full disk, a read-only or vanished filesystem) stops the
+    run with one error line; the newest complete checkpoint stays the one the same command continues from."""
+    try:
+        yield
+    except (OSError, SafetensorError, dcp.CheckpointException) as e:
+        try:
+            latest = find_latest(final.parent)
+        except ValueError:
+            latest = None
+        raise SystemExit(f"error: cannot write {what}{final}: {_one_line(e)}; the newest complete checkpoint is "
+                         f"{latest or 'none'}: free space (or fix the filesystem), then run the same command again "
+                         "to continue from it") from None
+
+
+def _finish_checkpoint(tmp: Path, final: Path, step: int, d: Dist, extra_state, config, keep: int):
+    """Rank 0: the run config and progress.json (last: the mark of a complete checkpoint), the renames, `latest`,
+    the pruning."""
+    run_dir, name = final.parent, final.name
+    if config is not None:
+        _write_fsynced(tmp / RUN_CONFIG, lambda f: f.write(_json(config)))
+    progress = {"step": step, "world_size": d.world_size, **(extra_state or {})}
+    _write_fsynced(tmp / PROGRESS, lambda f: f.write(_json(progress)))
+    _fault("after_tmp_write", step)
+    for path in (tmp / TRAIN_STATE, tmp):
+        _fsync(path)
+    old = run_dir / f".old_{name}"
+    if final.exists():  # re-saving the same step: move the old copy aside, then delete it
+        final.rename(old)
+    tmp.rename(final)
+    _fsync(run_dir)
+    _write_latest(run_dir, name)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in _checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if stale.name != name:
+            _remove_dir(stale)
 
 
 def _train_state(model, optimizer) -> tuple[dict, dict | None]:
@@ -241,7 +291,7 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, default=str) + "\n"
 
 
-def _fsync_dir(path: Path):
+def _fsync(path: Path):  # a file or a directory
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -253,7 +303,7 @@ def _write_latest(run_dir: Path, name: str):
     """The pointer: tmp file + fsync + rename, so it always names a complete checkpoint."""
     _write_fsynced(run_dir / "latest.tmp", lambda f: f.write(name + "\n"))
     os.replace(run_dir / "latest.tmp", run_dir / "latest")
-    _fsync_dir(run_dir)
+    _fsync(run_dir)
 
 
 def _remove_dir(path: Path):
@@ -274,38 +324,93 @@ def _fault(point: str, step: int):
         os._exit(86)
 
 
-def publish_model(ckpt_dir, dst):
-    """Rank 0: make dst a plain HF model dir holding the checkpoint's model files (hard links when possible, so no
-    extra disk), replaced atomically (tmp dir + rename)."""
+def publish_model(ckpt_dir, dst, d: Dist):
+    """Every rank: rank 0 makes dst a plain HF model dir holding copies of the checkpoint's model files (copies, not
+    hard links: editing OUT/model/tokenizer_config.json must not edit the checkpoint), replaced atomically (tmp dir +
+    rename); refused, every rank stopping, when dst holds what minigrpo did not write (_check_published)."""
     ckpt_dir, dst = Path(ckpt_dir), Path(dst)
-    tmp = dst.with_name(f".tmp_{dst.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in ckpt_dir.iterdir():
-        if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
-            continue  # training state, not the model
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+    _check_published(dst, d)
+    if d.is_main:
+        tmp = dst.with_name(f".tmp_{dst.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with _writing(dst, ""):
+            tmp.mkdir(parents=True)
+            for f in ckpt_dir.iterdir():
+                if not f.is_file() or f.name in TRAINING_FILES or f.name.startswith("rng_rank"):
+                    continue  # training state, not the model
+                shutil.copy2(f, tmp / f.name)
+                _fsync(tmp / f.name)
+            _swap_in(tmp, dst)
+    barrier()
 
 
 def export_lora(model, tokenizer, out_dir, d: Dist):
     """Every rank (FSDP2 gathers): a LoRA run's result as OUT/model, the merged HF model dir (transformers, eval.py,
     --init), and OUT/adapter, the adapter alone in PEFT's format; each written to a tmp dir, then renamed."""
+    for name in ("model", "adapter"):
+        _check_published(Path(out_dir) / name, d)
     for name, save in (("model", save_model), ("adapter", save_adapter)):
         dst = Path(out_dir) / name
         tmp = dst.with_name(f".tmp_{name}")
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        save(model, tmp, tokenizer)
-        if d.is_main:
-            _fsync_dir(tmp)
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
+        with _writing(dst, ""):
+            save(model, tmp, tokenizer)
+            if d.is_main:
+                _swap_in(tmp, dst)
     barrier()
+
+
+# what a published dir (OUT/model, OUT/adapter) records: the names minigrpo wrote into it, all a later publish replaces
+PUBLISHED = "minigrpo_files.json"
+
+
+def _swap_in(tmp: Path, dst: Path):
+    """Rank 0: record tmp's file names in it, then replace dst (checked: only minigrpo's files) with it."""
+    _write_fsynced(tmp / PUBLISHED, lambda f: f.write(_json(sorted(p.name for p in tmp.iterdir()))))
+    _fsync(tmp)
+    if _foreign(dst):  # (a file that appeared since the check at the start of the run: keep it)
+        raise SystemExit(_foreign_error(dst))
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    _fsync(dst.parent)
+
+
+def _foreign(dst: Path) -> list[str]:
+    """What in a published dir minigrpo did not write there: every name its PUBLISHED record does not list (a dir
+    published before the record existed: every name its run's newest checkpoint does not hold). [] if dst is missing;
+    ["."] if it is not a plain directory."""
+    if not dst.exists() and not dst.is_symlink():
+        return []
+    if dst.is_symlink() or not dst.is_dir():
+        return ["."]
+    try:
+        with open(dst / PUBLISHED, "rb") as f:
+            ours = json.loads(f.read(1 << 20))
+        ours = {n for n in ours if isinstance(n, str)} if isinstance(ours, list) else set()
+    except (OSError, ValueError, RecursionError):
+        try:
+            ckpt = find_latest(dst.parent)
+        except ValueError:
+            ckpt = None
+        ours = {p.name for p in ckpt.iterdir()} if ckpt is not None else set()
+    ours.add(PUBLISHED)
+    return sorted(p.name + "/" * p.is_dir() for p in dst.iterdir() if p.name not in ours or not p.is_file())
+
+
+def _foreign_error(dst: Path) -> str:
+    found = _foreign(dst)
+    shown = "it is not a plain directory" if found == ["."] else f"it holds {', '.join(found[:5])}" + (
+        f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f"error: {dst} holds files minigrpo did not write there ({shown}): a run replaces {dst} at its end; "
+            f"move them out of {dst.name}/ (or pick another --out_dir)")
+
+
+def _check_published(dst: Path, d: Dist):
+    """Every rank: stop (rank 0 says why) when dst holds what minigrpo did not write, before anything is replaced."""
+    msgs = all_gather_list([_foreign_error(dst)] if d.is_main and _foreign(dst) else [])
+    if msgs:
+        raise SystemExit(msgs[0] if d.is_main else 1)
 
 
 # -----------------------------------------------------------------------------
@@ -318,8 +423,9 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     was saved by fewer ranks) keeps its seeded RNG states. Nothing is unpickled beyond an allowlist of DCP's own
     metadata classes (tensors load with weights_only=True)."""
     ckpt_dir = Path(ckpt_dir)
-    progress = _read_progress(ckpt_dir / PROGRESS)
+    progress = _read_progress(ckpt_dir)
     state, optim_sd = _train_state(model, optimizer)
+    _Reader(ckpt_dir / TRAIN_STATE).read_metadata()  # first: a bad file is one line, not DCP's logged tracebacks
     dcp.load(state, storage_reader=_Reader(ckpt_dir / TRAIN_STATE), planner=_TensorsOnly(), no_dist=not is_dist())
     if unwrap_model(model).config.tie_word_embeddings and "embed_tokens.weight" in state["model"]:
         state["model"]["lm_head.weight"] = state["model"]["embed_tokens.weight"]
@@ -328,6 +434,9 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
         set_optimizer_state_dict(model, optimizer, optim_sd)
     rank_state = {}
     rng_file = ckpt_dir / RNG.format(d.rank)
+    if not rng_file.is_file() and d.rank < progress.get("world_size", 1):
+        raise ValueError(f"{rng_file}: missing, though rank {d.rank} wrote the checkpoint: the run would not continue "
+                         "as it would have")
     if rng_file.is_file():
         try:
             rank_state = torch.load(rng_file, map_location="cpu", weights_only=True)  # CPU tensors, whoever wrote it
@@ -342,17 +451,37 @@ def load_checkpoint(ckpt_dir, model, d: Dist, *, optimizer=None) -> tuple[dict, 
     return progress, rank_state
 
 
-def _read_progress(path: Path) -> dict:
-    """progress.json: {"step": int >= 0, "world_size": int >= 1, ...}, or a ValueError naming the file."""
+def _read_progress(ckpt: Path) -> dict:
+    """A checkpoint's progress.json, checked (types and ranges of what the scripts read back, the step its dir is
+    named for), or a ValueError naming the file."""
+    path = ckpt / PROGRESS
     try:
-        progress = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    ok = lambda k, low: isinstance(progress.get(k), int) and not isinstance(progress[k], bool) and progress[k] >= low
-    if not isinstance(progress, dict) or not ok("step", 0) or ("world_size" in progress and not ok("world_size", 1)):
-        raise ValueError(f"{path}: expected {{\"step\": N >= 0, \"world_size\": W >= 1, ...}}, got "
-                         f"{json.dumps(progress)[:80]}")
+        with open(path, "rb") as f:
+            progress = json.loads(f.read(1 << 20))  # ~200 bytes; past a MiB it is cut, so not valid JSON
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(progress, dict):
+        raise ValueError(f"{path}: expected an object {{\"step\": N, ...}}, got {json.dumps(progress)[:80]}")
+    name = ckpt.name.removeprefix(".old_")
+    for key, ok, need in _PROGRESS_FIELDS:
+        if key in progress or key == "step":
+            value = progress.get(key)
+            if not ok(value) or (key == "step" and _is_step_name(name) and value != _step_of(name)):
+                need = f"{_step_of(name)}, the step of {name}" if key == "step" and ok(value) else need
+                raise ValueError(f"{path}: {key}={json.dumps(value)[:40]}: expected {need}; was it written by "
+                                 "minigrpo?")
     return progress
+
+
+_int = lambda v, low, high: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+_num = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < float("inf")
+# progress.json's fields that the scripts read back: (name, check, what it needs)
+_PROGRESS_FIELDS = [("step", lambda v: _int(v, 0, 10**12), "an integer 0 .. 10^12"),
+                    ("world_size", lambda v: _int(v, 1, 2**20), "an integer 1 .. 2^20"),
+                    ("data_position", lambda v: _int(v, 0, 10**15), "an integer >= 0"),
+                    *((k, _num, "a finite number >= 0") for k in ("train_s", "wall_s", "t_train", "elapsed_s")),
+                    ("stopped", lambda v: v is False or isinstance(v, str), "false or a reason"),
+                    ("eval_history", lambda v: isinstance(v, list) and all(map(_num, v)), "a list of numbers")]
 
 
 # what DCP's pickled .metadata file may name: its own dataclasses, shapes, dtypes, layouts and paths. Not
@@ -381,9 +510,15 @@ class _Reader(dcp.FileSystemReader):
     file of this directory."""
 
     def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _AllowlistUnpickler(f).load()
-        _check_metadata(Path(self.path) / ".metadata", metadata)
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _AllowlistUnpickler(f).load()
+        except OSError:
+            raise
+        except Exception as e:  # garbage: whatever the unpickler makes of it
+            raise ValueError(f"{path}: not DCP metadata ({type(e).__name__}: {_one_line(e)})") from None
+        _check_metadata(path, metadata)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -431,45 +566,65 @@ def _set_rng_state(state: dict):
 # the run directory: is it a run (and whose), its lock
 
 
+STAGES = ("sft", "grpo", "eval")
+
+
 def run_stage(path) -> str | None:
-    """The stage whose run a directory holds: its marker's, else (a run from before the marker existed) the stage
-    whose resolved flags its config.json holds; None if it is not a run (an HF model dir's config.json has none)."""
-    path = Path(path)
-    for name in (MARKER, "config.json", "summary.json"):
-        try:
-            obj = json.loads((path / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(obj, dict):
-            continue
-        if name == MARKER and isinstance(obj.get("stage"), str):
-            return obj["stage"]
-        if name == "config.json" and "out_dir" in obj and "resume" in obj:  # sft.py / grpo.py's flags
-            return "grpo" if "group_size" in obj else "sft"
-        if name == "summary.json" and isinstance(obj.get("config"), dict) and "model" in obj:  # eval.py's output
-            return "eval"
-    return None
+    """The stage whose run a directory holds, as its marker (minigrpo_run.json) says; None if it has no marker
+    (whatever else it holds: a config.json with a stage's flags is no proof) or one minigrpo did not write."""
+    try:
+        with open(Path(path) / MARKER, "rb") as f:
+            obj = json.loads(f.read(4096))  # a marker is ~100 bytes: a longer file is cut, so not valid JSON
+    except (OSError, ValueError, RecursionError):
+        return None
+    stage = obj.get("stage") if isinstance(obj, dict) else None
+    return stage if stage in STAGES else None
 
 
 def check_out_dir(out, stage: str, init=None, what: str = "--out_dir"):
     """Read only. Refuse an out_dir a run of `stage` must not write into: an existing non-empty directory that is not
-    such a run (a model dir, another stage's run, anything else), or one that is or holds the --init model."""
+    such a run (a model dir, another stage's run, anything else), one that is, holds or is inside the --init model,
+    or (sft, grpo) one whose model/ or adapter/, which the run replaces at its end, holds files it did not write;
+    or a path no run can write into (a symlink loop, a dangling symlink, a path under a file, a read-only dir)."""
     out = Path(out)
+    _check_writable(out, what)
     if init is not None and Path(init).exists():
         init_dir = Path(init).resolve()
         if init_dir == out.resolve() or out.resolve() in init_dir.parents:
             raise SystemExit(f"error: {what} {out} is or holds the --init model {init}: this run would overwrite or "
                              f"prune it; pick another {what}")
+        if init_dir in out.resolve().parents:
+            raise SystemExit(f"error: {what} {out} is inside the --init model {init}: whatever rewrites {init} (its "
+                             f"own stage run again) would delete this run; pick a {what} outside it")
     if not out.exists():
         return
     if not out.is_dir():
         raise SystemExit(f"error: {what} {out} is a file, not a directory: pick another {what}")
     found = run_stage(out)
+    if found == stage and stage != "eval":
+        for sub in ("model", "adapter"):
+            if _foreign(out / sub):
+                raise SystemExit(_foreign_error(out / sub) + "; nothing was changed")
     if found == stage or not any(f for f in out.iterdir() if not f.name.startswith(".lock_node")):
         return
-    what_it_is = f"a run of {found}.py" if found else "not a minigrpo run (no minigrpo_run.json, no run config.json)"
+    what_it_is = f"a run of {found}.py" if found else f"not a minigrpo run (no valid {MARKER})"
     raise SystemExit(f"error: {what} {out} exists and is {what_it_is}: {stage}.py writes only into a new or empty "
                      f"directory or one of its own runs; nothing was changed. Pick another {what}")
+
+
+def _check_writable(out: Path, what: str):
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise SystemExit(f"error: {what} {out}: {_one_line(e)}: pick another {what}") from None
+    if out.is_symlink() and not out.exists():
+        raise SystemExit(f"error: {what} {out} is a symlink to {os.readlink(out)}, which does not exist: create it, "
+                         f"or pick another {what}")
+    above = next(p for p in (real, *real.parents) if p.exists())  # the dir it is made in (or itself)
+    if above != real and not above.is_dir():
+        raise SystemExit(f"error: {what} {out} is under {above}, a file, not a directory: pick another {what}")
+    if above.is_dir() and not os.access(above, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {what} {out}: {above} is not writable by this user: pick another {what}")
 
 
 def mark_run_dir(out, stage: str):
@@ -533,6 +688,45 @@ def _take_run_dir(out: Path, d: Dist):
         raise SystemExit(msgs[0] if d.is_main else 1)
 
 
+def claim_run_dir(out, stage: str, d: Dist):
+    """Every rank, once every check has passed (eval.py; start_or_resume does the same for sft / grpo): take the run
+    dir's lock (each node's leader; the dir is made if needed), check it again under the lock (another stage's run
+    may have claimed it since check_out_dir), mark it. A refusal leaves the directory as it was."""
+    out = Path(out)
+    created = not out.exists()
+    barrier()  # every rank has seen whether out existed
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        _take_run_dir(out, d)
+        msgs = all_gather_list([msg] if d.is_main and (msg := _recheck(out, stage)) else [])
+        if msgs:
+            raise SystemExit(msgs[0] if d.is_main else 1)
+    except SystemExit:
+        _let_go(out, created)
+        raise
+    if d.is_main:
+        mark_run_dir(out, stage)
+    barrier()
+
+
+def _recheck(out: Path, stage: str, init=None) -> str | None:
+    """Under the lock: check_out_dir's error line, if the dir is no longer one this stage may write into."""
+    try:
+        check_out_dir(out, stage, init)
+    except SystemExit as e:
+        return str(e.code)
+    return None
+
+
+def _let_go(out: Path, created: bool):
+    """A run that stops before writing anything: no lock file, and no dir if it made it."""
+    release_run_dir(out)
+    only_locks = out.is_dir() and all(f.name.startswith(".lock_node") for f in out.iterdir())
+    if created and only_locks and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def _stage(cfg) -> str:
     return type(cfg).__name__.removesuffix("Config").lower()  # SFTConfig -> "sft", GRPOConfig -> "grpo"
 
@@ -543,7 +737,29 @@ def _stage(cfg) -> str:
 
 def _has_run(out: Path) -> bool:
     metrics = out / "metrics.jsonl"
-    return (out / "latest").exists() or any(out.glob("step_*")) or (metrics.is_file() and metrics.stat().st_size > 0)
+    return (out / "latest").exists() or bool(_checkpoints(out)) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def run_record(cfg, d: Dist) -> dict:
+    """What a run's config.json and its checkpoints' run_config.json hold: the resolved flags, and init_sha256, the
+    content hash of the --init weights (weights_sha256; computed once, by rank 0), so that a resume can tell a
+    changed base model or KL reference from the one the run started from, not only a changed path."""
+    sha = None
+    if getattr(cfg, "init", None) and d.is_main:
+        with user_input("--init"):
+            sha = weights_sha256(resolve_model_dir(cfg.init))
+    return {**dataclasses.asdict(cfg), "init_sha256": all_gather_list([sha] if d.is_main else [])[0]}
+
+
+def weights_sha256(model_dir) -> str:
+    """sha256 over a model dir's *.safetensors files, each file's name and bytes in name order."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _same(a, b) -> bool:
@@ -552,7 +768,7 @@ def _same(a, b) -> bool:
     return a == b or (isinstance(a, list) and tuple(a) == b)  # JSON turns tuples into lists
 
 
-def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
+def resume_point(cfg, d: Dist, must_match: tuple[str, ...], record: dict | None = None) -> Path | None:
     """The checkpoint this run continues from, per cfg.resume; checked, with the out dir (check_out_dir) and the
     logger packages, before anything is loaded or written.
       auto (default): the newest complete checkpoint in cfg.out_dir; None (start fresh) when there is none.
@@ -561,7 +777,8 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
     cfg.overwrite means: start over, deleting the run in out_dir (so it goes with auto or none, not a PATH).
     A checkpoint written by a run whose config differs in a RESUME_MUST_MATCH field or one of the stage's
     `must_match` (model, data, batch shape: what makes continuing it meaningless) is refused with every difference
-    listed; other changes are printed."""
+    listed, as is one whose --init weights hashed otherwise (record: run_record's, with the hash); other changes are
+    printed."""
     out = Path(cfg.out_dir)
     check_out_dir(out, _stage(cfg), getattr(cfg, "init", None))
     check_packages(cfg)  # --wandb / --tensorboard: before --overwrite deletes anything
@@ -588,13 +805,31 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
         if ckpt is None:
             raise SystemExit(f"error: --resume {path}: not a complete checkpoint (no {PROGRESS}) nor a run "
                              "directory holding one")
+    _check_complete(ckpt, d)
     saved_file = ckpt / RUN_CONFIG if (ckpt / RUN_CONFIG).is_file() else ckpt.parent / "config.json"
     try:
-        saved = json.loads(saved_file.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({e})") from None
-    now = dataclasses.asdict(cfg)
-    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in ("resume", "overwrite")]
+        with open(saved_file, "rb") as f:
+            saved = json.loads(f.read(1 << 20))  # a few KB; past a MiB it is cut, so not valid JSON
+        if not isinstance(saved, dict):
+            raise ValueError(f"a {type(saved).__name__}, not an object of flags")
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else _one_line(e)
+        raise SystemExit(f"error: cannot resume {ckpt}: its run config {saved_file} is unreadable ({why})") from None
+    now = record or dataclasses.asdict(cfg)
+    was, sha = saved.get("init_sha256"), now.get("init_sha256")
+    if was and sha and was != sha and _same(saved.get("init"), now["init"]):
+        role = "LoRA base" if now.get("lora_rank") else ""
+        role = role or (f"KL reference (--beta {now['beta']})" if now.get("beta") else "")
+        changes = f"the weights in --init {cfg.init} changed since the run that wrote it started (sha256 {was[:12]}..."
+        if not role:  # a full fine-tune with beta 0 uses them only as its start: the checkpoint replaces them
+            print0(f"note: {changes} then, {sha[:12]}... now); this run uses them only as its start, which the "
+                   "checkpoint replaces")
+        else:
+            raise SystemExit(f"error: cannot resume {ckpt}: {changes} then, {sha[:12]}... now), and they are its "
+                             f"{role}: point --init at the weights the run started from, or start a new run (another "
+                             "--out_dir, or --overwrite)")
+    fixed = ("resume", "overwrite", "init_sha256")
+    changed = [k for k in now if k in saved and not _same(saved[k], now[k]) and k not in fixed]
     diffs = [f"--{k} {saved[k]} -> {now[k]}" for k in changed if k in RESUME_MUST_MATCH + must_match]
     if diffs:
         raise SystemExit(f"error: cannot resume {ckpt}: this run differs from the one that wrote it in "
@@ -605,6 +840,22 @@ def resume_point(cfg, d: Dist, must_match: tuple[str, ...]) -> Path | None:
     return ckpt
 
 
+def _check_complete(ckpt: Path, d: Dist):
+    """Every rank, before anything is loaded or written: the checkpoint's progress.json is sound and each rank it
+    was written by that this run has (ranks past the world size of the run that saved it start from their seeds:
+    a changed world size continues to rounding anyway) finds its RNG file, without which it would not be bitwise."""
+    try:  # wrong types, a step not the checkpoint's (10^30), a world size of 0
+        progress = _read_progress(ckpt)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot resume {ckpt}: {_one_line(e)}") from None
+    missing = [RNG.format(r) for r in range(min(progress.get("world_size", 1), d.world_size))
+               if not (ckpt / RNG.format(r)).is_file()]  # fmt: skip
+    if missing:
+        raise SystemExit(f"error: cannot resume {ckpt}: {', '.join(missing)} missing (the random states of the "
+                         "rank(s) that wrote it), so the run would not continue as it would have: put the file(s) "
+                         "back, or resume from another checkpoint (--resume PATH)")
+
+
 def truncate_jsonl(path, step: int):
     """Keep the rows of a per-step JSONL log with row["step"] <= step, byte for byte, and drop a torn last line
     (a crash mid-write), so a resumed run's log reads as one uninterrupted run. Atomic (tmp file + rename)."""
@@ -612,20 +863,20 @@ def truncate_jsonl(path, step: int):
     if not path.is_file():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # a torn line, or bytes no run wrote (not UTF-8, a JSON bomb)
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            keep.append(line + "\n")
+            keep.append(line + b"\n")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
+    tmp.write_bytes(b"".join(keep))
     os.replace(tmp, path)
 
 
 def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
-                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> dict:
+                    logs: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl"), record: dict | None = None) -> dict:
     """Take the run dir's lock (each node's leader), then load the checkpoint resume_point chose (weights, optimizer,
     this rank's RNG states) or start fresh, then ready cfg.out_dir (rank 0): mark it as a run, delete the old run
     (--overwrite: only what a run writes) and leftovers of interrupted saves, cut the logs back to the resumed step,
@@ -639,9 +890,12 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
         out.mkdir(parents=True, exist_ok=True)
     try:
         _take_run_dir(out, d)
-        # under the lock, nothing else changes the dir: is it still what resume_point saw? (another run may have
-        # written to it meanwhile); then put back a checkpoint whose re-save was cut between its two renames
-        msg = _changed_since_resume_point(cfg, out, ckpt) if d.is_main else None
+        # under the lock, nothing else changes the dir: is it still what resume_point saw, its marker and its
+        # checkpoints? (another run may have claimed or written it meanwhile); then put back a checkpoint whose
+        # re-save was cut between its two renames
+        msg = None
+        if d.is_main:
+            msg = _recheck(out, _stage(cfg), getattr(cfg, "init", None)) or _changed_since_resume_point(cfg, out, ckpt)
         if not msg and d.is_main:
             for old in _restorable(out):
                 old.rename(out / old.name[5:])
@@ -657,10 +911,7 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
                     dcp.CheckpointException) as e:  # fmt: skip
                 raise SystemExit(f"error: cannot load checkpoint {ckpt}: {_one_line(e)}") from None
     except SystemExit:  # leave the dir as it was: no lock file, and no dir if this run made it
-        release_run_dir(out)
-        only_locks = out.is_dir() and all(f.name.startswith(".lock_node") for f in out.iterdir())
-        if created and only_locks and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            shutil.rmtree(out, ignore_errors=True)
+        _let_go(out, created)
         raise
     if ckpt is not None:
         saved_world = state.get("world_size", d.world_size)
@@ -669,15 +920,15 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
                   "uninterrupted run only to rounding)" if saved_world != d.world_size else ""))  # fmt: skip
     if d.is_main:
         mark_run_dir(out, _stage(cfg))
-        doomed = [path for pattern in (".tmp_step_*", ".old_step_*", ".del_step_*", ".tmp_model")
-                  for path in out.glob(pattern)]  # interrupted saves / deletes / publishes
+        doomed = [path for prefix in (".tmp_", ".old_", ".del_") for path in _checkpoints(out, prefix)]
+        doomed += [path for path in (out / ".tmp_model", out / ".tmp_adapter") if path.is_dir()]  # interrupted
         if cfg.overwrite:
             if _has_run(out):
                 print0(f"--overwrite: deleting the previous run in {out}")
-            doomed += [*_step_dirs(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # what a run writes
+            doomed += [*_checkpoints(out), out / "model", out / "adapter", out / "tb", out / "wandb"]  # a run's
             for f in ("latest", "config.json", "wandb_run_id", *logs):
                 (out / f).unlink(missing_ok=True)
-        newer = [path for path in _step_dirs(out) if path.name > f"step_{state['step']:06d}" and path not in doomed]
+        newer = [path for path in _checkpoints(out) if _step_of(path.name) > state["step"] and path not in doomed]
         if newer:
             print0(f"dropping checkpoints after step {state['step']}: {', '.join(sorted(p.name for p in newer))}")
         for path in doomed + newer:
@@ -686,13 +937,9 @@ def start_or_resume(ckpt: Path | None, cfg, model, optimizer, d: Dist,
             _write_latest(out, ckpt.name)  # after a rewind (--resume PATH) it named a dropped checkpoint
         for f in logs:
             truncate_jsonl(out / f, state["step"])
-        save_json(out / "config.json", dataclasses.asdict(cfg))
+        save_json(out / "config.json", record or dataclasses.asdict(cfg))
     barrier()
     return state
-
-
-def _step_dirs(out: Path) -> list[Path]:
-    return [p for p in out.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()]
 
 
 def _changed_since_resume_point(cfg, out: Path, ckpt: Path | None) -> str | None:

@@ -248,6 +248,7 @@ def parse_config(cls, argv: list[str] | None = None):
 def start_stage(cls, argv: list[str] | None = None):
     """A stage script's opening: its flags (parse_config) and its process (init_dist) -> (cfg, Dist)."""
     cfg = parse_config(cls, argv)
+    check_flags(cfg, positive=("dist_timeout",))  # before init_dist, which waits that long on the other ranks
     d = init_dist(cfg.dist_timeout)
     torch.set_flush_denormal(True)  # CPU arithmetic on denormal floats (tiny weights) is very slow
     return cfg, d

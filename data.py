@@ -195,12 +195,17 @@ def _read_file(path: Path) -> list[tuple[int, dict]]:
         import pyarrow.parquet as pq  # installed with datasets
 
         return list(enumerate(pq.read_table(path).to_pylist(), 1))
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        row = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: row {row}: not UTF-8 text (byte {e.start})") from None
     if path.suffix == ".json":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None  # datasets' to_json writes JSON lines even into .json files
+        except (ValueError, RecursionError):
+            data = None  # datasets' to_json writes JSON lines even into .json files (errors: named per row below)
         if isinstance(data, dict) and len(data) == 1:  # {"data": [...]}
             data = next(iter(data.values()))
         if isinstance(data, list):
@@ -210,8 +215,10 @@ def _read_file(path: Path) -> list[tuple[int, dict]]:
         if line.strip():
             try:
                 rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: row {n}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # also a JSON bomb (nesting), an integer of 5000 digits
+                why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                    e, RecursionError) else " ".join(str(e).split())
+                raise ValueError(f"{path}: row {n}: not valid JSON ({why})") from None
     return rows
 
 
@@ -345,7 +352,13 @@ def format_prompt(question: str, template: str, tokenizer=None) -> tuple[str, st
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("template 'chat' needs a tokenizer with a chat template; use 'r1' for base models")
         messages = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:  # the template is the model dir's code (jinja2, sandboxed): any error it raises is the dir's
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # TemplateSyntaxError, UndefinedError, SecurityError, raise_exception, TypeError, ...
+            raise ValueError(f"the tokenizer's chat template fails ({type(e).__name__}: {e}): fix its chat_template "
+                             "(tokenizer_config.json or chat_template.jinja), or use --template r1") from None
+        if not isinstance(text, str):
+            raise ValueError(f"the tokenizer's chat template gave a {type(text).__name__}, not text")
         return text, THINK if text.rstrip().endswith(THINK) else ""
     raise ValueError(f"unknown template {template!r}: expected one of {TEMPLATES}")
 

@@ -34,7 +34,7 @@ import torch.distributed as tdist
 import fast
 import rewards
 import verifier
-from checkpoint import check_out_dir, mark_run_dir, resolve_model_dir
+from checkpoint import check_out_dir, claim_run_dir, release_run_dir, resolve_model_dir
 from common import (
     DTYPES,
     JsonlLogger,
@@ -54,7 +54,7 @@ from common import (
     user_input,
 )
 from data import encode_prompt, format_prompt, load_splits
-from hf import load_model, load_tokenizer, stop_and_pad_ids
+from hf import check_token_ids, load_model, load_tokenizer, stop_and_pad_ids
 from lora import load_adapter, merge_lora
 from memory import EVAL_BATCH  # problems per sampler call: --batch_size's default, and sft/grpo in-loop evals
 from sampler import generate
@@ -256,9 +256,11 @@ def main(argv=None):
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         (rows,) = load_splits(cfg, cfg.split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        format_prompt(rows[0]["question"], cfg.template, tok)
-    if d.is_main:
-        mark_run_dir(cfg.out_dir, "eval")
+        prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in rows]
+    with user_input("--model"):  # stop / pad ids, or a tokenizer's ids, past the model's vocabulary
+        stop_and_pad_ids(tok, model.config)
+        check_token_ids([encode_prompt(tok, p, cfg.template) for p in prompts], model.config.vocab_size, "the prompts")
+    claim_run_dir(cfg.out_dir, "eval", d)  # its lock, the same checks again under it, its marker
     print0(f"eval {path} on {cfg.task} {cfg.split}: {len(rows)} problems, {d.world_size} rank(s)")
 
     modes = []  # (name, samples, temperature)
@@ -281,6 +283,7 @@ def main(argv=None):
         save_json(os.path.join(cfg.out_dir, "summary.json"), {"config": asdict(cfg), "model": str(path), **results})
     print_table(results)
     print0(f"wrote {cfg.out_dir}/summary.json and completions.jsonl")
+    release_run_dir(cfg.out_dir)
     cleanup_dist()
 
 

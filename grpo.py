@@ -31,7 +31,7 @@ Simplifications, stated up front:
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -41,8 +41,11 @@ from checkpoint import (
     check_finite,
     check_out_dir,
     export_lora,
+    find_latest,
+    publish_model,
     release_run_dir,
     resume_point,
+    run_record,
     save_checkpoint,
     start_or_resume,
 )
@@ -78,7 +81,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_splits
 from eval import evaluate
-from hf import load_config, load_model, load_tokenizer, stop_and_pad_ids
+from hf import check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
 from packing import micro_batch, micro_batches, training_batch
@@ -553,8 +556,9 @@ class Prompts:
     longest: int  # tokens in the longest prompt the sampler will see (training or eval)
 
 
-def load_prompts(cfg: GRPOConfig, tok, max_pos: int) -> Prompts:
-    """The --split and --eval_split problems in --template, checked to fit the model's positions."""
+def load_prompts(cfg: GRPOConfig, tok, model_cfg) -> Prompts:
+    """The --split and --eval_split problems in --template, checked to fit the model's positions and vocabulary."""
+    max_pos = model_cfg.max_position_embeddings
     # a missing file, a malformed row (named by file and line), a bad split or knob
     with user_input("data"):
         rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
@@ -566,8 +570,11 @@ def load_prompts(cfg: GRPOConfig, tok, max_pos: int) -> Prompts:
                          f"the model's max_position_embeddings={max_pos}: lower --max_new_tokens")
     evals = []
     if cfg.eval_every:
-        evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+        with user_input("--template"):
+            evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
+    with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
+        check_token_ids(ids + eval_ids, model_cfg.vocab_size, "the prompts")
     longest = max(map(len, ids + eval_ids))
     return Prompts(rows, text, response_start, ids, eval_rows, longest)
 
@@ -681,7 +688,7 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
 # The loop: one GRPO step after another, each logged, evaluated and checkpointed on schedule
 
 
-def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict):
+def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict, record: dict):
     """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
     log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
@@ -719,7 +726,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
             stopped = "time" if done and step < cfg.steps else False
             train_state = {"train_s": train_s, "wall_s": metrics["wall_s"], "stopped": stopped}
             save_checkpoint(cfg.out_dir, step, model, tok, train_state, d, optimizer=opt,
-                            keep=cfg.keep, config=asdict(cfg))
+                            keep=cfg.keep, config=record)
         if done:
             break
     bar.close()
@@ -736,19 +743,22 @@ def main(argv=None):
         model_cfg = load_config(cfg.init, cfg.size_limits)
         tok = load_tokenizer(cfg.init)
         stop_ids = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
-    task = load_prompts(cfg, tok, model_cfg.max_position_embeddings)
+    task = load_prompts(cfg, tok, model_cfg)
     shapes = memory_shapes(cfg, "grpo", d.world_size, task.longest, d.device.type)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
     if cfg.dry_run:
         return cleanup_dist()
     # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape
-    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"))
+    record = run_record(cfg, d)  # the flags + the --init weights' hash: what config.json and each checkpoint keep
+    resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"), record=record)
     model, ref, opt = build_models(cfg, d)
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
-    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state)
+    state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
+    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state, record)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
+    else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)
+        publish_model(find_latest(cfg.out_dir), os.path.join(cfg.out_dir, "model"), d)
     release_run_dir(cfg.out_dir)
     cleanup_dist()
 

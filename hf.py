@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
-from lora import _fsync, _full, lora_layers
+from lora import _full, lora_layers, save_safetensors
 from model import ModelConfig, Transformer, check_size
 
 
@@ -153,8 +153,7 @@ def save_model(model, path, tokenizer=None, max_file_bytes: int = 2**31) -> None
             if main:
                 part[_hf_name(k)] = v.detach().cpu().contiguous()
         if main:
-            save_file(part, path / name, metadata={"format": "pt"})
-            _fsync(path / name)
+            save_safetensors(part, path / name)
     if main and len(files) > 1:
         total = sum(v.numel() * v.element_size() for v in state.values())
         weight_map = {_hf_name(k): name for keys, name in zip(files, names) for k in keys}
@@ -195,7 +194,23 @@ def stop_and_pad_ids(tokenizer, cfg: ModelConfig) -> tuple[list[int], int]:
         raise ValueError("no stop token: neither the tokenizer nor config.json / generation_config.json names an "
                          "eos_token_id; set one in the model directory's config.json")
     pad = next((i for i in (tokenizer.pad_token_id, cfg.pad_token_id) if i is not None), stops[0])
+    named = {"the tokenizer's eos_token_id": tokenizer.eos_token_id, "config.json's eos_token_id": cfg.eos_token_id,
+             "the tokenizer's pad_token_id": tokenizer.pad_token_id, "config.json's pad_token_id": cfg.pad_token_id}
+    for what, ids in named.items():
+        for i in set(_as_list(ids)) & {*stops, pad}:  # (the ids in use: a pad the tokenizer overrides is not)
+            if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size):
+                raise ValueError(f"{what} {i} is not a token id of this model (0 .. vocab_size - 1 = "
+                                 f"{cfg.vocab_size - 1}): fix it in the model directory")
     return stops, pad
+
+
+def check_token_ids(seqs, vocab_size: int, what: str):
+    """A ValueError when a tokenized text holds an id past the model's embeddings (a tokenizer of a larger
+    vocabulary than config.json's vocab_size): say so before anything runs, not as an index error at step 1."""
+    top = max((max(ids) for ids in seqs if ids), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{what} tokenize to id {top}, past config.json's vocab_size {vocab_size}: the tokenizer "
+                         "does not belong to this model")
 
 
 def _as_list(x) -> list:

@@ -130,6 +130,16 @@ def _fsync(path):
         os.fsync(f.fileno())
 
 
+def save_safetensors(tensors: dict, path):
+    """safetensors' save_file, fsynced, with the permissions of any file this user creates (save_file makes it 0600:
+    unreadable to a shared cluster group)."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    _fsync(path)
+
+
 # PEFT's adapter format: adapter_config.json + adapter_model.safetensors, keys named as in PeftModel's state dict
 ADAPTER_PREFIX = "base_model.model.model."
 
@@ -151,8 +161,7 @@ def save_adapter(model, path, tokenizer=None) -> None:
     cfg = {**model.lora, "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False,
            "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
     (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
-    _fsync(path / "adapter_model.safetensors")
+    save_safetensors(tensors, path / "adapter_model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 

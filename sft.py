@@ -78,6 +78,7 @@ from checkpoint import (
     release_run_dir,
     resolve_model_dir,
     resume_point,
+    run_record,
     save_checkpoint,
     start_or_resume,
 )
@@ -110,7 +111,7 @@ from common import (
 )
 from data import encode_prompt, format_prompt, load_splits, parse_knobs, sft_target
 from eval import evaluate
-from hf import char_tokenizer, load_config, load_model, load_tokenizer, stop_and_pad_ids
+from hf import char_tokenizer, check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
 from packing import micro_batches
@@ -313,7 +314,7 @@ def tokenizer_and_config(cfg: SFTConfig):
             special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
             overrides = parse_knobs(cfg.model_overrides)
-            model_cfg = model_lib.preset_config(cfg.model, len(tok), **special, **overrides)
+            model_cfg = model_lib.preset_config(cfg.model, **{"vocab_size": len(tok), **special, **overrides})
             if cfg.size_limits:
                 model_lib.check_size(model_cfg)
         return None, model_cfg, tok
@@ -331,25 +332,29 @@ def tokenizer_and_config(cfg: SFTConfig):
 def build_examples(rows: list[dict], tok, template: str, eos_id: int) -> list[tuple[list[int], list[int]]]:
     """Every row as (ids, labels), tokenized once: its prompt, its worked solution, EOS."""
     examples = []
-    with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        format_prompt(rows[0]["question"], template, tok)
     for r in rows:
-        prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
+        with user_input("--template"):  # e.g. chat on a tokenizer without a chat template, or a failing one
+            prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
         with user_input("data"):  # a row without a worked solution
             target = tok.encode(sft_target(r, response_start), add_special_tokens=False)
         examples.append(build_example(encode_prompt(tok, prompt, template), target, eos_id))
     return examples
 
 
-def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, max_len: int) -> tuple[int, int]:
-    """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions. -> the longest
-    example's and the longest eval prompt's tokens."""
+def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, model_cfg) -> tuple[int, int]:
+    """Refuse examples, or eval prompts + --max_new_tokens, past the model's positions, or holding ids past its
+    vocabulary. -> the longest example's and the longest eval prompt's tokens."""
+    max_len = model_cfg.max_position_embeddings
+    with user_input("--template"):
+        eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+    eval_ids = [encode_prompt(tok, p, cfg.template) for p in eval_prompts]
+    with user_input("--init" if cfg.init else "--model_overrides"):  # ids past the model's vocabulary
+        check_token_ids([ids for ids, _ in examples] + eval_ids, model_cfg.vocab_size, "the examples")
     longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
         raise SystemExit(f"error: the longest example has {longest} tokens > the model's "
                          f"max_position_embeddings {max_len}")
-    eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
-    longest_eval = max(len(encode_prompt(tok, p, cfg.template)) for p in eval_prompts)
+    longest_eval = max(map(len, eval_ids))
     if cfg.eval_every and longest_eval + cfg.max_new_tokens > max_len:
         raise SystemExit(f"error: longest --eval_split prompt ({longest_eval} tokens) + "
                          f"--max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -460,7 +465,7 @@ def stop_line(step: int, stop: bool, out_of_time: bool, history: list[float], cf
 # The loop, and main
 
 
-def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, state: dict, ckpt):
+def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, state: dict, ckpt, record: dict):
     """Steps state["step"] + 1 .. --steps, or until a stop rule or --max_minutes. -> (the last step,
     the newest checkpoint, the eval history, the wall-clock start)."""
     out = Path(cfg.out_dir)
@@ -508,7 +513,7 @@ def train(cfg: SFTConfig, d, model, opt, tok, examples, eval_rows, pad_id: int, 
             train_state = {"data_position": step * cfg.global_batch, "wall_s": metrics["wall_s"],
                            "stopped": stopped, "eval_history": history, "train_s": train_s}
             ckpt = save_checkpoint(out, step, model, tok, train_state, d, optimizer=opt,
-                                   keep=cfg.keep, config=asdict(cfg))
+                                   keep=cfg.keep, config=record)
         if stopped:
             break
     bar.close()
@@ -524,11 +529,11 @@ def main(argv=None):
     with user_input("data"):
         rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
     path, model_cfg, tok = tokenizer_and_config(cfg)
-    with user_input("--init"):  # a model directory without any stop token
+    with user_input("--init" if cfg.init else "--model_overrides"):  # no stop token, or one past the vocabulary
         eos_ids, pad_id = stop_and_pad_ids(tok, model_cfg)
     # what every target ends with: the tokenizer's EOS (a chat model's end of turn)
     examples = build_examples(rows, tok, cfg.template, eos_ids[0])
-    longest, longest_eval = check_lengths(cfg, examples, eval_rows, tok, model_cfg.max_position_embeddings)
+    longest, longest_eval = check_lengths(cfg, examples, eval_rows, tok, model_cfg)
     # the memory this run needs; a training row is the longest example shifted by one
     shapes = memory_shapes(cfg, "sft", d.world_size, longest_eval, d.device.type, seq=longest - 1)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
@@ -536,10 +541,11 @@ def main(argv=None):
         return cleanup_dist()
     # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH, the fresh model's
     # preset and the batch (--micro_batch may change)
-    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"))
+    record = run_record(cfg, d)  # the flags + the --init weights' hash: what config.json and each checkpoint keep
+    resume_from = resume_point(cfg, d, must_match=("model", "model_overrides", "global_batch"), record=record)
     model, opt, n_params, n_train = build_model(cfg, d, path, model_cfg)
     # load the checkpoint (or start fresh); cut metrics.jsonl back to its step; write config.json
-    state = start_or_resume(resume_from, cfg, model, opt, d)
+    state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
     limits = [f"<= {cfg.micro_batch} rows"] * (cfg.micro_batch > 0)
     limits += [f"<= {cfg.micro_batch_tokens} tokens"] * (cfg.micro_batch_tokens > 0)
     print0(f"SFT: {n_params / 1e6:.2f}M params ({n_train / 1e6:.3f}M trained), {len(examples)} "
@@ -548,12 +554,12 @@ def main(argv=None):
            f"dist={cfg.dist if d.world_size > 1 else 'none'}")
     print0(f"config: {asdict(cfg)}")
     step, ckpt, history, t_start = train(cfg, d, model, opt, tok, examples, eval_rows, pad_id, state,
-                                         resume_from)
+                                         resume_from, record)
     out = Path(cfg.out_dir)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, out, d)
-    elif d.is_main:
-        publish_model(ckpt, out / "model")
+    else:
+        publish_model(ckpt, out / "model", d)
     warning = end_warning(history, step, cfg)
     if warning:  # say it, rather than silently hand GRPO a start it learns little from
         print0(warning)

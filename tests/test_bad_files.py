@@ -118,16 +118,20 @@ class Payload:
         return (print, ("pwned",))  # a pickle that would call a function when loaded
 
 
-def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
+def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path, capfd):
     ckpt = "step_000001"
     cases = {  # file in the checkpoint -> (its new bytes, the part of the error after "cannot load checkpoint X: ")
         "rng_garbage": ("rng_rank0.pt", b"\x00garbage" * 10, "rng_rank0.pt: unreadable ("),
         "rng_pickle": ("rng_rank0.pt", pickle.dumps(Payload()), "rng_rank0.pt: unreadable (the weights-only unpickler "
                                                                  "refused it: "),
         "rng_no_keys": ("rng_rank0.pt", None, "rng_rank0.pt: no RNG states (python, numpy, torch) in it"),
-        "progress_no_step": ("progress.json", b'{"world_size": 1}', 'progress.json: expected {"step": N >= 0'),
-        "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: expected {"step": N >= 0'),
-        "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (Expecting"),
+        # (progress.json: "cannot resume X: ...", checked before anything is loaded)
+        "progress_no_step": ("progress.json", b'{"world_size": 1}', "progress.json: step=null: expected an integer"),
+        "progress_step_abc": ("progress.json", b'{"step": "abc"}', 'progress.json: step="abc": expected an integer'),
+        "progress_not_json": ("progress.json", b'{"step": 1', "progress.json: not valid JSON (JSONDecodeError: Expect"),
+        # #45 item 10: read before DCP, which would log two tracebacks of its own before the error line
+        "metadata_garbage": ("train_state/.metadata", b"garbage\n", "train_state/.metadata: not DCP metadata (ValueE"),
+        "metadata_empty": ("train_state/.metadata", b"", "train_state/.metadata: not DCP metadata (EOFError: Ran out"),
     }
     import torch
 
@@ -140,7 +144,9 @@ def test_checkpoint_files_table(run_dir, tiny_dir, tmp_path):
             (run / ckpt / file).write_bytes(data)
         argv = GRPO + ["--init", str(tiny_dir), "--out_dir", str(run), "--steps", "2"]
         msg = fails(grpo.main, argv, run, tiny_dir)
-        assert msg.startswith(f"error: cannot load checkpoint {run}/{ckpt}: ") and want in msg, (name, msg)
+        lead = "resume" if file == "progress.json" else "load checkpoint"
+        assert msg.startswith(f"error: cannot {lead} {run}/{ckpt}: ") and want in msg, (name, msg)
+        assert "Traceback" not in capfd.readouterr().err, name
 
 
 def test_flag_table(tiny_dir, tmp_path):
@@ -156,6 +162,10 @@ def test_flag_table(tiny_dir, tmp_path):
         (sft.main, ["--model_overrides", "num_hidden_layers=20000"],
          "error: --model_overrides: num_hidden_layers=20000 is over minigrpo's sanity limit 1024"),
         (sft.main, ["--model_overrides", "hiden_size=64"], "error: --model_overrides: unknown config fields"),
+        (sft.main, ["--model_overrides", "vocab_size=40"],  # #45 items 5, 10: was a TypeError (vocab_size twice)
+         "error: --model_overrides: the examples tokenize to id 99, past config.json's vocab_size 40"),
+        (sft.main, ["--model_overrides", "eos_token_id=500"],
+         "error: --model_overrides: config.json's eos_token_id 500 is not a token id of this model"),
         (sft.main, ["--global_batch", "0"], "error: --global_batch 0: need at least 1"),
         (evaluation.main, ["--model", str(tiny_dir), "--template", "chat"], "error: --template: template 'chat'"),
         (evaluation.main, ["--model", str(tiny_dir), "--pass_k", "0,8"], "error: --pass_k (0, 8): need at least 1"),
@@ -180,12 +190,40 @@ def test_data_rows_table(tiny_dir, tmp_path):
         "list_answer": ({**good, "answer": [1]}, "row 2: field 'answer' is [1], not a string or a number"),
         "no_answer": ({"problem": "p", "solution": "none"}, "row 2: no field 'answer' and no \\boxed{...}"),
         "bool_answer": ({**good, "answer": True}, "row 2: field 'answer' is True, not a string or a number"),
+        # #45 item 10: a file that is not UTF-8 text or not JSON a parser survives names the file and the row
+        "not_utf8": (b'{"problem": "\xff\xfe"}', "row 2: not UTF-8 text (byte "),
+        "bomb": ("[" * 100_000, "row 2: not valid JSON (nested too deeply)"),
+        "big_int": ('{"problem": "p", "answer": ' + "9" * 5000 + "}", "row 2: not valid JSON (Exceeds the limit"),
     }
     out = tmp_path / "out"
     for name, (row, want) in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        path.write_text(json.dumps({**good, "answer": "1"}) + "\n" + json.dumps(row) + "\n")
+        row = row.encode() if isinstance(row, str) else row if isinstance(row, bytes) else json.dumps(row).encode()
+        path.write_bytes(json.dumps({**good, "answer": "1"}).encode() + b"\n" + row + b"\n")
         argv = GRPO + ["--init", str(tiny_dir), "--task", "math", "--data_path", str(path), "--split", "test",
                        "--eval_split", "test", "--out_dir", str(out)]  # fmt: skip
         msg = fails(grpo.main, argv, out, path)
         assert msg == f"error: data: {path}: {want}" or msg.startswith(f"error: data: {path}: {want}"), (name, msg)
+
+
+def test_chat_template_errors(tiny_dir, tmp_path):
+    """#45 item 10: a chat template that fails (a syntax error, an undefined name, the sandbox refusing an attribute,
+    raise_exception, a type error) is one error line naming the template, in every stage, the dirs as they were."""
+    from transformers import AutoTokenizer
+
+    templates = {"syntax": "{% for %}", "undefined": "{{ nothing.at.all }}",
+                 "sandbox": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                 "raises": "{{ raise_exception('no system role') }}", "type": "{{ messages + 1 }}"}  # fmt: skip
+    out = tmp_path / "out"
+    for name, template in templates.items():
+        model = tmp_path / name
+        shutil.copytree(tiny_dir, model)
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.chat_template = template
+        tok.save_pretrained(model)
+        init = ["--init", str(model), "--template", "chat"]
+        cases = [(grpo.main, GRPO + init), (sft.main, ["--split", "train[:8]", "--eval_split", "test[:2]"] + init),
+                 (evaluation.main, ["--model", str(model), "--template", "chat"])]
+        for main, argv in cases:
+            msg = fails(main, argv + ["--out_dir", str(out)], out, model)
+            assert msg.startswith("error: --template: the tokenizer's chat template fails ("), (name, msg)

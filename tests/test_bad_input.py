@@ -173,5 +173,5 @@ def test_overwrite_starts_over(dirs, run_dir, tmp_path):
     (out / "wandb_run_id").write_text("abc 7\n")
     grpo.main(GRPO + ["--init", str(dirs / "good"), "--steps", "1", "--out_dir", str(out), "--overwrite"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "latest", "metrics.jsonl", "minigrpo_run.json",
-                                                     "samples.jsonl", "step_000001"]  # fmt: skip
+                                                     "model", "samples.jsonl", "step_000001"]  # fmt: skip
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

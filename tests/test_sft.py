@@ -203,9 +203,10 @@ def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sft.main(["--help"])
     assert e.value.code == 0 and "--global_batch" in capsys.readouterr().out
-    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("not a model")
     with pytest.raises(SystemExit, match=r"--init .*: not a model directory"):
-        sft.main(["--init", str(tmp_path), "--out_dir", str(tmp_path / "o1")])
+        sft.main(["--init", str(tmp_path / "notes"), "--out_dir", str(tmp_path / "o1")])
     with pytest.raises(SystemExit, match="unknown task 'arithh'"):
         sft.main(["--task", "arithh", "--out_dir", str(tmp_path / "o2")])
     with pytest.raises(SystemExit, match="--micro_batch_tokens -5: need >= 0"):

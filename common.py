@@ -7,6 +7,7 @@ JSONL metrics, DDP / FSDP2 wrapping, metric all-reduce and the LR schedule.
 
 import argparse
 import dataclasses
+import difflib
 import gc
 import importlib.util
 import json
@@ -196,10 +197,12 @@ def all_gather_list(items: list) -> list:
 # config dataclass -> argparse flags
 
 
-def flag(default, help: str, choices: list | None = None, section: str | None = None):
+def flag(default, help: str, choices: list | None = None, section: str | None = None, repeat: bool = False):
     """A config field that parse_config turns into --NAME: its default, its --help line, optional choices, and the
-    section of --help it is listed in (sections appear in the order of their first field; None: no section)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "section": section})
+    section of --help it is listed in (sections appear in the order of their first field; None: no section).
+    repeat (tuple fields): --NAME may be given several times, each adding to the list."""
+    meta = {"help": help, "choices": choices, "section": section, "repeat": repeat}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def _parse_bool(s: str) -> bool:
@@ -222,13 +225,26 @@ def _flag_type(tp):
     return _parse_bool if tp is bool else tp
 
 
+class _Repeated(argparse.Action):
+    """A repeatable comma-list flag: its first use on the command line replaces the default (or the --config
+    file's value), later uses add to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest) if getattr(self, "given", False) else ()
+        self.given = True
+        setattr(namespace, self.dest, tuple(before) + tuple(values))
+
+
 def parse_config(cls, argv: list[str] | None = None):
     """Build an argparse parser from a @dataclass (help from field metadata["help"], optional metadata["choices"]
     and metadata["section"]: see flag) and return an instance. Flags are the field names: --lr 3e-4, --bf16
-    true|false (or bare --bf16), --pass_k 1,8 for tuple fields, --init none for Optional fields."""
+    true|false (or bare --bf16), --pass_k 1,8 for tuple fields, --init none for Optional fields.
+    --config FILE.yaml|.json sets fields from a file first (config_file_defaults); flags given override it."""
     doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # not dataclass's signature
     parser = argparse.ArgumentParser(description=(doc or "").strip(),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML or JSON file of flag values (a run's config.json too); flags given override it")
     hints, groups = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
@@ -237,12 +253,64 @@ def parse_config(cls, argv: list[str] | None = None):
                   choices=f.metadata.get("choices"))
         if tp is bool:
             kw.update(nargs="?", const=True, metavar="true|false")
+        if f.metadata.get("repeat"):
+            kw.update(action=_Repeated)
         title = f.metadata.get("section")
         if title and title not in groups:
             groups[title] = parser.add_argument_group(title)
         group = groups[title] if title else parser
         group.add_argument(f"--{f.name}", **kw)
-    return cls(**vars(parser.parse_args(argv)))
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if path:
+        parser.set_defaults(**config_file_defaults(parser, cls, path))
+    values = vars(parser.parse_args(argv))
+    values.pop("config")
+    return cls(**values)
+
+
+# keys a run's config.json holds that are not flags (checkpoint.run_record adds them): --config skips them
+RUN_RECORD_KEYS = ("init_sha256",)
+
+
+def config_file_defaults(parser, cls, path: str) -> dict:
+    """A --config file's {field: value}, each value checked and converted as its flag's would be. A bad file, an
+    unknown key or a bad value is parser.error: the usage and one `error:` line naming the file and key."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            if Path(path).suffix in (".yaml", ".yml"):
+                import yaml  # pyyaml
+
+                data = yaml.safe_load(file)
+            else:
+                data = json.load(file)
+    except Exception as e:  # missing file, not UTF-8, a YAML / JSON syntax error
+        parser.error(f"--config {path}: {type(e).__name__}: {' '.join(str(e).split())}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, out = typing.get_type_hints(cls), {}
+    for key, value in data.items():
+        if key in RUN_RECORD_KEYS:
+            continue
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            parser.error(f"--config {path}: unknown key {key!r}: not a flag of {parser.prog}{hint}")
+        # the value as a command line would spell it, through the flag's own parser: one rule for both
+        if isinstance(value, list | tuple):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = "none" if value is None else str(value)
+        try:
+            out[key] = _flag_type(hints[key])(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            parser.error(f"--config {path}: key {key!r}: invalid value {value!r} ({e})")
+        choices = fields[key].metadata.get("choices")
+        if choices and out[key] not in choices:
+            parser.error(f"--config {path}: key {key!r}: invalid choice {value!r} (choose from {choices})")
+    return out
 
 
 def start_stage(cls, argv: list[str] | None = None):

@@ -11,16 +11,20 @@ question is not the answer 84); False where answers are expressions (math). rewa
 - "math": MATH problems with problem/solution (+answer, else the last \\boxed{} of the solution). Hub defaults:
   HuggingFaceH4/MATH-500 for "test", DigitalLearningGmbH/MATH-lighteval (the 7,500 MATH train problems, disjoint
   from MATH-500) for "train".
+- "custom": any dataset (`path` required), its columns named by `columns` (custom_row: --question_field,
+  --answer_field, --answer_regex, --solution_field). GSM8K is the preset question / answer / '####\\s*(.+)'.
 
-`path` is a local .jsonl/.json/.parquet file (used as the split whatever its name), a directory holding
-{split}.jsonl/.json/.parquet, or a hub dataset name ("owner/name") loaded with datasets.load_dataset.
+`path` is a local .jsonl/.json/.parquet/.csv file (used as the split whatever its name), a directory holding
+{split}.jsonl/.json/.parquet/.csv, or a hub dataset name ("owner/name") loaded with datasets.load_dataset.
 
 Splits use one syntax everywhere (like Hugging Face datasets): "train", "test", "train[:10%]", "train[10%:]",
 "test[:400]", "train[100:200]", "train[-50:]". Percent bounds round down, so train[:10%] and train[10%:] always
 partition train exactly (e.g. SFT on the first 10%, GRPO on the other 90%).
 """
 
+import csv
 import hashlib
+import io
 import json
 import math
 import random
@@ -62,7 +66,7 @@ HUB = {  # task -> split name -> (hub dataset, config)
     "gsm8k": {"train": ("openai/gsm8k", "main"), "test": ("openai/gsm8k", "main")},
     "math": {"train": ("DigitalLearningGmbH/MATH-lighteval", None), "test": ("HuggingFaceH4/MATH-500", None)},
 }
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 # ---------------------------------------------------------------- splits
@@ -188,7 +192,8 @@ def parse_knobs(text: str) -> dict:
 
 
 def _read_file(path: Path) -> list[tuple[int, dict]]:
-    """(row number, row) pairs from a .jsonl (row number = line number), .json list or .parquet file."""
+    """(row number, row) pairs from a .jsonl (row number = line number), .json list, .parquet or .csv file (row
+    number = the row's line, the header being line 1)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if path.suffix == ".parquet":
@@ -201,6 +206,8 @@ def _read_file(path: Path) -> list[tuple[int, dict]]:
     except UnicodeDecodeError as e:
         row = raw[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: row {row}: not UTF-8 text (byte {e.start})") from None
+    if path.suffix == ".csv":
+        return list(enumerate(csv.DictReader(io.StringIO(text, newline="")), 2))
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -229,7 +236,7 @@ def _find_file(path: str, split_name: str) -> Path | None:
         for suffix in SUFFIXES:
             if (p / f"{split_name}{suffix}").is_file():
                 return p / f"{split_name}{suffix}"
-        raise FileNotFoundError(f"{p}: no {split_name}.jsonl, {split_name}.json or {split_name}.parquet in it")
+        raise FileNotFoundError(f"{p}: no {split_name}.jsonl, .json, .parquet or .csv in it")
     if p.exists() or p.suffix in SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") != 1:
         return p  # a file path (missing files raise FileNotFoundError when read)
     return None
@@ -250,7 +257,7 @@ def _load_raw(task: str, split_name: str, path: str | None) -> tuple[str, list[t
     except Exception as e:  # offline, unknown name, unknown split: say what to do instead
         raise RuntimeError(
             f"could not load {name!r} split {split_name!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-            "offline? pass path= a local .jsonl/.json/.parquet file"
+            "offline? pass path= (--data_path) a local .jsonl/.json/.parquet/.csv file"
         ) from e
     return f"{name}:{split_name}", list(enumerate(ds, 1))
 
@@ -304,13 +311,42 @@ def _gold(answer: str, n: int, source: str) -> str:
     return answer
 
 
+def custom_row(row, n: int, source: str, question_field: str = "question", answer_field: str = "answer",
+               answer_regex: str = "", solution_field: str | None = None) -> dict:
+    """Any dataset's raw row -> {question, answer, solution, numeric, + its other columns}. The gold is the answer
+    column, or with answer_regex its first group (else the whole match) searched in it: '####\\s*(.+)' reads
+    GSM8K's. A solution column that is the answer column itself gives the text before the match. numeric: the
+    gold is a plain number (then a completion's answer must be one too, as for GSM8K)."""
+    question = _field(row, n, source, question_field)
+    raw = row.get(answer_field) if isinstance(row, dict) else None
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw):
+        raw = str(raw)  # JSON / Parquet numbers
+    raw = _field({answer_field: raw}, n, source, answer_field)
+    gold, solution = raw.strip(), None
+    if answer_regex:
+        m = re.search(answer_regex, raw)
+        if m is None:
+            raise ValueError(f"{source}: row {n}: field {answer_field!r} does not match --answer_regex "
+                             f"{answer_regex!r} (ends {raw[-40:]!r})")
+        gold = (m.group(1) if m.re.groups else m.group(0)).strip()
+        if solution_field == answer_field:  # "reasoning\n#### 42": the reasoning
+            solution = raw[: m.start()].strip() or None
+    if solution_field and solution_field != answer_field:
+        solution = row.get(solution_field) or None
+    other = {k: v for k, v in row.items() if k not in ("question", "answer", "solution", "numeric", "system")}
+    return {**other, "question": question.strip(), "answer": _gold(gold, n, source), "solution": solution,
+            "numeric": bool(_NUMBER.fullmatch(gold))}
+
+
 # ---------------------------------------------------------------- the one entry point
 
 
-def load_task(task: str, split: str, *, path: str | None = None, seed: int = 0, **knobs) -> list[dict]:
+def load_task(task: str, split: str, *, path: str | None = None, seed: int = 0, columns: dict | None = None,
+              **knobs) -> list[dict]:
     """Rows {"question", "answer", "solution"} of `task` for `split` (e.g. "train[:10%]"); see the module docstring.
 
-    seed and knobs only apply to the built-in "arith" task (ARITH_DEFAULTS lists the knobs).
+    seed and knobs only apply to the built-in "arith" task (ARITH_DEFAULTS lists the knobs), columns (custom_row's
+    keyword arguments) to "custom".
     """
     split_name = parse_split(split)[0]
     if task == "arith":
@@ -318,40 +354,67 @@ def load_task(task: str, split: str, *, path: str | None = None, seed: int = 0, 
             raise ValueError("the built-in arith task is generated; it takes no path")
         # the generator writes GSM8K-shaped rows, so the one GSM8K parser serves both
         return [gsm8k_row(r, n, "arith") for n, r in enumerate(arith_rows(split, seed, **knobs), 1)]
-    if task not in HUB:
-        raise ValueError(f"unknown task {task!r}: expected arith, gsm8k or math")
+    if task not in (*HUB, "custom"):
+        raise ValueError(f"unknown task {task!r}: expected arith, gsm8k, math or custom")
     if knobs:
         raise ValueError(f"task {task!r} takes no knobs (got {sorted(knobs)})")
+    if task == "custom" and not path:
+        raise ValueError("--task custom reads --data_path: a .jsonl/.json/.parquet/.csv file, a directory of "
+                         "{split}.jsonl/..., or a hub dataset name")
+    if task == "custom" and (columns or {}).get("answer_regex"):
+        try:
+            re.compile(columns["answer_regex"])
+        except re.error as e:
+            raise ValueError(f"--answer_regex {columns['answer_regex']!r}: not a regular expression ({e})") from None
     source, raw = _load_raw(task, split_name, path)
+    if task == "custom":
+        return select([custom_row(r, n, source, **(columns or {})) for n, r in raw], split, source)
     convert = gsm8k_row if task == "gsm8k" else math_row
     return select([convert(r, n, source) for n, r in raw], split, source)
 
 
+COLUMN_FLAGS = {"question_field": "question", "answer_field": "answer", "answer_regex": "", "solution_field": None}
+
+
 def load_splits(cfg, *splits: str) -> list[list[dict]]:
-    """Each split's rows of a stage's task: its --task, --data_path, --data_seed and --task_knobs."""
+    """Each split's rows of a stage's task: its --task, --data_path, --data_seed and --task_knobs; with --task
+    custom its column flags (COLUMN_FLAGS); --system_prompt, if given, goes on every row as "system"."""
     knobs = parse_knobs(cfg.task_knobs)
-    return [load_task(cfg.task, s, path=cfg.data_path, seed=cfg.data_seed, **knobs) for s in splits]
+    columns = {k: getattr(cfg, k) for k in COLUMN_FLAGS if hasattr(cfg, k)}
+    changed = [k for k, v in columns.items() if v != COLUMN_FLAGS[k]]
+    if cfg.task != "custom" and changed:
+        raise ValueError(f"--{changed[0]} is for --task custom (--task {cfg.task} knows its columns)")
+    columns = columns if cfg.task == "custom" else None
+    out = [load_task(cfg.task, s, path=cfg.data_path, seed=cfg.data_seed, columns=columns, **knobs) for s in splits]
+    if getattr(cfg, "system_prompt", ""):
+        out = [[{**r, "system": cfg.system_prompt} for r in rows] for rows in out]
+    return out
 
 
 # ---------------------------------------------------------------- prompts and targets
 
 
-def format_prompt(question: str, template: str, tokenizer=None) -> tuple[str, str]:
+def format_prompt(question: str, template: str, tokenizer=None, system: str | None = None) -> tuple[str, str]:
     """(prompt_text, response_prefix). The scored response is response_prefix + completion.
 
     r1:    the plain-text R1 preamble for base models, ending "Assistant: <think>"  -> prefix "<think>"
     short: "{question}\\n<think>", for the char-level demo (every character is a token) -> prefix "<think>"
     chat:  the tokenizer's chat template, a system prompt asking for the format -> prefix "" (the model opens
            <think> itself), or "<think>" if the template already opens it (e.g. DeepSeek-R1 distills).
+    system (--system_prompt): replaces r1's preamble / chat's system prompt; short has none.
     """
+    if system and template == "short":
+        raise ValueError("--system_prompt: template 'short' has no system prompt; use r1 or chat")
     if template == "r1":
+        if system:
+            return f"{system}\nUser: {question}\nAssistant: {THINK}", THINK
         return R1_PROMPT.format(question=question), THINK
     if template == "short":
         return f"{question}\n{THINK}", THINK
     if template == "chat":
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("template 'chat' needs a tokenizer with a chat template; use 'r1' for base models")
-        messages = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": system or CHAT_SYSTEM_PROMPT}, {"role": "user", "content": question}]
         try:  # the template is the model dir's code (jinja2, sandboxed): any error it raises is the dir's
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # TemplateSyntaxError, UndefinedError, SecurityError, raise_exception, TypeError, ...

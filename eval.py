@@ -71,12 +71,20 @@ class EvalConfig:
                             "(faster; equal to rounding)", section="model and data")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
                              "MAX_PARAMS); false lifts them", section="model and data")
-    task: str = flag("arith", "arith | gsm8k | math", section="model and data")
+    task: str = flag("arith", "arith | gsm8k | math | custom (--data_path, --question_field, ...)",
+                     section="model and data")
     split: str = flag("test[:400]", "problems, e.g. test, test[:400], train[10%:]", section="model and data")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="model and data")
+    data_path: str | None = flag(None, "a .jsonl/.json/.parquet/.csv file, a dir of {split}.jsonl|..., or a "
+                                 "hub dataset name (gsm8k/math: none = the hub)", section="model and data")
     data_seed: int = flag(0, "seed of the built-in task's problems", section="model and data")
     task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)", section="model and data")
     template: str = flag("short", "prompt template: short | r1 | chat", section="model and data")
+    question_field: str = flag("question", "--task custom: the question's column", section="model and data")
+    answer_field: str = flag("answer", "--task custom: the gold answer's column", section="model and data")
+    answer_regex: str = flag("", "--task custom: the gold is this regex's first group in the answer "
+                             "column, e.g. '####\\s*(.+)' ('' = the whole column)", section="model and data")
+    system_prompt: str = flag("", "replaces the template's system prompt (r1: its preamble, chat: the "
+                              "system message; '' = the template's own)", section="model and data")
 
     max_new_tokens: int = flag(64, "completion length limit", section="generation and metrics")
     samples: int = flag(1, "n samples per problem (>1 adds pass@k / maj@k)", section="generation and metrics")
@@ -171,7 +179,8 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
     for b in range(rank, world * math.ceil(n_batches / world), world):
         dummy = b >= n_batches
         batch = rows[:1] if dummy else rows[b * batch_size : (b + 1) * batch_size]
-        prompts = [format_prompt(r["question"], template, tokenizer) for r in batch]  # (text, response prefix)
+        # (text, response prefix)
+        prompts = [format_prompt(r["question"], template, tokenizer, r.get("system")) for r in batch]
         with autocast(model, dtype):
             ids = [encode_prompt(tokenizer, p, template) for p, _ in prompts]
             gen = generate(model, ids, max_new_tokens, num_samples=samples,
@@ -256,7 +265,7 @@ def main(argv=None):
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         (rows,) = load_splits(cfg, cfg.split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in rows]
+        prompts = [format_prompt(r["question"], cfg.template, tok, r.get("system"))[0] for r in rows]
     with user_input("--model"):  # stop / pad ids, or a tokenizer's ids, past the model's vocabulary
         stop_and_pad_ids(tok, model.config)
         check_token_ids([encode_prompt(tok, p, cfg.template) for p in prompts], model.config.vocab_size, "the prompts")

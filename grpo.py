@@ -95,10 +95,18 @@ class GRPOConfig:
     init: str = flag("runs/sft/model", "HF model dir to start from", section="model and data")
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
                              "MAX_PARAMS); false lifts them", section="model and data")
-    task: str = flag("arith", "task: arith | gsm8k | math", section="model and data")
+    task: str = flag("arith", "task: arith | gsm8k | math | custom (--data_path, --question_field, ...)",
+                     section="model and data")
     split: str = flag("train[5%:]", "training problems (answers only are used)", section="model and data")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="model and data")
+    data_path: str | None = flag(None, "a .jsonl/.json/.parquet/.csv file, a dir of {split}.jsonl|..., or a "
+                                 "hub dataset name (gsm8k/math: none = the hub)", section="model and data")
     task_knobs: str = flag("", "built-in task difficulty, e.g. 'steps=3,high=999,ops=+-*'", section="model and data")
+    question_field: str = flag("question", "--task custom: the question's column", section="model and data")
+    answer_field: str = flag("answer", "--task custom: the gold answer's column", section="model and data")
+    answer_regex: str = flag("", "--task custom: the gold is this regex's first group in the answer "
+                             "column, e.g. '####\\s*(.+)' ('' = the whole column)", section="model and data")
+    system_prompt: str = flag("", "replaces the template's system prompt (r1: its preamble, chat: the "
+                              "system message; '' = the template's own)", section="model and data")
     template: str = flag("short", "prompt template", choices=["short", "r1", "chat"], section="model and data")
     eval_split: str = flag("test[:200]", "held-out problems for in-loop eval", section="model and data")
     out_dir: str = flag("runs/grpo", "run directory (config, metrics, checkpoints)", section="model and data")
@@ -563,7 +571,8 @@ def load_prompts(cfg: GRPOConfig, tok, model_cfg) -> Prompts:
     with user_input("data"):
         rows, eval_rows = load_splits(cfg, cfg.split, cfg.eval_split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
-        text, response_start = zip(*(format_prompt(r["question"], cfg.template, tok) for r in rows))
+        text, response_start = zip(*(format_prompt(r["question"], cfg.template, tok, r.get("system"))
+                                     for r in rows))
     ids = [encode_prompt(tok, t, cfg.template) for t in text]
     if max(len(p) for p in ids) + cfg.max_new_tokens > max_pos:
         raise SystemExit(f"error: longest prompt + --max_new_tokens={cfg.max_new_tokens} exceeds "
@@ -571,7 +580,7 @@ def load_prompts(cfg: GRPOConfig, tok, model_cfg) -> Prompts:
     evals = []
     if cfg.eval_every:
         with user_input("--template"):
-            evals = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+            evals = [format_prompt(r["question"], cfg.template, tok, r.get("system"))[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, t, cfg.template) for t in evals]
     with user_input("--init"):  # a tokenizer of a larger vocabulary than the model's
         check_token_ids(ids + eval_ids, model_cfg.vocab_size, "the prompts")

@@ -126,12 +126,21 @@ class SFTConfig:
     size_limits: bool = flag(True, "refuse model configs past sanity sizes (model.py SIZE_LIMITS, "
                              "MAX_PARAMS); false lifts them", section="model")
 
-    task: str = flag("arith", "arith | gsm8k | math", section="data")
+    task: str = flag("arith", "arith | gsm8k | math | custom (--data_path, --question_field, ...)", section="data")
     split: str = flag("train[:5%]", "training problems (with worked solutions)", section="data")
-    data_path: str | None = flag(None, "local file or dir for gsm8k/math (none: the hub)", section="data")
+    data_path: str | None = flag(None, "a .jsonl/.json/.parquet/.csv file, a dir of {split}.jsonl|..., or a "
+                                 "hub dataset name (gsm8k/math: none = the hub)", section="data")
     data_seed: int = flag(0, "seed of the built-in task's problems", section="data")
     task_knobs: str = flag("", "built-in task knobs, e.g. 'steps=2,high=99' (data.py)", section="data")
     template: str = flag("short", "prompt template: short | r1 | chat", section="data")
+    question_field: str = flag("question", "--task custom: the question's column", section="data")
+    answer_field: str = flag("answer", "--task custom: the gold answer's column", section="data")
+    answer_regex: str = flag("", "--task custom: the gold is this regex's first group in the answer "
+                             "column, e.g. '####\\s*(.+)' ('' = the whole column)", section="data")
+    solution_field: str | None = flag(None, "--task custom: the worked solution's column (the answer "
+                                      "column with --answer_regex: its text before the match)", section="data")
+    system_prompt: str = flag("", "replaces the template's system prompt (r1: its preamble, chat: the "
+                              "system message; '' = the template's own)", section="data")
 
     lora_rank: int = flag(0, "LoRA rank r: train low-rank adapters on a frozen base (0 = off, full "
                           "fine-tuning)", section="LoRA (off by default: every weight trains)")
@@ -334,7 +343,7 @@ def build_examples(rows: list[dict], tok, template: str, eos_id: int) -> list[tu
     examples = []
     for r in rows:
         with user_input("--template"):  # e.g. chat on a tokenizer without a chat template, or a failing one
-            prompt, response_start = format_prompt(r["question"], template, tok)  # e.g. "<think>"
+            prompt, response_start = format_prompt(r["question"], template, tok, r.get("system"))  # "<think>"
         with user_input("data"):  # a row without a worked solution
             target = tok.encode(sft_target(r, response_start), add_special_tokens=False)
         examples.append(build_example(encode_prompt(tok, prompt, template), target, eos_id))
@@ -346,7 +355,7 @@ def check_lengths(cfg: SFTConfig, examples, eval_rows, tok, model_cfg) -> tuple[
     vocabulary. -> the longest example's and the longest eval prompt's tokens."""
     max_len = model_cfg.max_position_embeddings
     with user_input("--template"):
-        eval_prompts = [format_prompt(r["question"], cfg.template, tok)[0] for r in eval_rows]
+        eval_prompts = [format_prompt(r["question"], cfg.template, tok, r.get("system"))[0] for r in eval_rows]
     eval_ids = [encode_prompt(tok, p, cfg.template) for p in eval_prompts]
     with user_input("--init" if cfg.init else "--model_overrides"):  # ids past the model's vocabulary
         check_token_ids([ids for ids, _ in examples] + eval_ids, model_cfg.vocab_size, "the examples")

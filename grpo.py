@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import fast
+import reward_plugins
 import rewards
 from checkpoint import (
     check_finite,
@@ -148,6 +149,9 @@ class GRPOConfig:
     filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss", section="GRPO")
     mask_truncated: bool = flag(False, "drop truncated completions from the loss", section="GRPO")
     reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'", section="GRPO")
+    reward_fn: tuple[str, ...] = flag((), "your own reward: path/to/file.py:fn or module:fn, called "
+                                      "fn(completion, answer, **row) -> float (repeatable; weight 1 unless "
+                                      "--reward_weights fn=w)", section="GRPO", repeat=True)
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
                                    "one (0 = exact)", section="GRPO")
 
@@ -347,9 +351,11 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
     )  # fmt: skip
 
 
-def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], cfg: GRPOConfig, weights):
+def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], cfg: GRPOConfig, weights,
+          plugins=()):
     """Decode and score every completion on the host: the scored response is what the prompt opened
-    ("<think>") + the decoded completion, against its row's gold answer in the task's answer form.
+    ("<think>") + the decoded completion, against its row's gold answer in the task's answer form,
+    then by each --reward_fn plug-in (reward_plugins.py).
     response_starts/problems (task rows): one per prompt. Returns the rewards r
     (P, G) fp32, moved to the rollout's device once, each completion's reward dict and its text."""
     G, lengths = cfg.group_size, roll.lengths.tolist()
@@ -361,6 +367,9 @@ def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], 
                        numeric=problems[i // G].get("numeric", False))
         for i, t in enumerate(texts)
     ]  # fmt: skip
+    if plugins:
+        scores = [reward_plugins.add_scores(plugins, s, response_starts[i // G] + t, problems[i // G])
+                  for i, (s, t) in enumerate(zip(scores, texts))]  # fmt: skip
     r = torch.tensor([s["reward"] for s in scores], dtype=torch.float32, device=roll.tokens.device)
     return r.view(-1, G), scores, texts
 
@@ -520,8 +529,9 @@ def step_metrics(step: int, scores: list[dict], r, zero_std, roll: Rollout, stat
 # Setup, in the order main runs it: the flags, the prompts, the models
 
 
-def check_config(cfg: GRPOConfig, d) -> dict | None:
-    """Refuse bad flags before anything is read. -> the parsed --reward_weights (None: the defaults)."""
+def check_config(cfg: GRPOConfig, d) -> tuple[dict | None, list]:
+    """Refuse bad flags before anything is read. -> the parsed --reward_weights (None: the defaults) and the
+    --reward_fn plug-ins, loaded, with their weights."""
     W, P, G = d.world_size, cfg.prompts_per_step, cfg.group_size
     check_flags(cfg,
                 at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu",
@@ -543,13 +553,15 @@ def check_config(cfg: GRPOConfig, d) -> dict | None:
         raise SystemExit("error: --compile on the CPU needs a C++ compiler (g++ on PATH, or CXX "
                          "naming one): install one, or drop --compile")
     check_out_dir(cfg.out_dir, "grpo", cfg.init)  # before anything is read: never its own --init
+    with user_input("--reward_fn"):  # a missing file or function, a failing import
+        plugins = reward_plugins.load(cfg.reward_fn)
     with user_input("--reward_weights"):
-        weights = rewards.parse_weights(cfg.reward_weights) if cfg.reward_weights else None
+        weights = reward_plugins.parse_weights(cfg.reward_weights, plugins)
     check_precision(cfg.dtype, cfg.weights_dtype)
     if cfg.lora_rank:  # before the memory estimate, which sizes the adapters
         with user_input("--lora_*"):
             check_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    return weights
+    return weights, plugins
 
 
 @dataclass
@@ -669,7 +681,8 @@ def write_samples(samples_log, step: int, prompts: list[str], texts: list[str], 
         samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
 
 
-def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, order):
+def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plugins, stop_ids,
+              order):
     """One GRPO step on this rank's share of the step's prompts: rollout -> score -> advantages -> update ->
     metrics (reduced over ranks). -> metrics, the completions' texts and scores, their problems, and the
     seconds of the step's parts (metrics' t_generate, t_score, t_train: this step's update)."""
@@ -682,7 +695,7 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
     roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
     t1 = time.perf_counter()
     starts, rows = [task.response_start[i] for i in mine], [task.rows[i] for i in mine]
-    r, scores, texts = score(tok, roll, starts, rows, cfg, weights)  # r: (P_rank, G) on the device
+    r, scores, texts = score(tok, roll, starts, rows, cfg, weights, plugins)  # r: (P_rank, G) on the device
     adv, lmask, w, w_kl, zero_std = advantages(r, roll, cfg, d.world_size)
     t2 = time.perf_counter()
     batch, seq_len = training_rows(prompts, roll, cfg.group_size, pad_id)
@@ -697,7 +710,8 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
 # The loop: one GRPO step after another, each logged, evaluated and checkpointed on schedule
 
 
-def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop_ids, state: dict, record: dict):
+def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plugins, stop_ids, state: dict,
+          record: dict):
     """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
     log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
@@ -712,7 +726,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         metrics, texts, scores, mine, times = grpo_step(step, cfg, d, model, ref, opt, tok, task, weights,
-                                                        stop_ids, order)
+                                                        plugins, stop_ids, order)
         train_s += times["step"]
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
         write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
@@ -746,7 +760,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, stop
 def main(argv=None):
     cfg, d = start_stage(GRPOConfig, argv)
     seed_all(cfg.seed, d.rank)
-    weights = check_config(cfg, d)
+    weights, plugins = check_config(cfg, d)
     # the tokenizer and model config: no weights are read before the memory estimate
     with user_input("--init"):  # a missing dir, a bad config.json, no tokenizer, ...
         model_cfg = load_config(cfg.init, cfg.size_limits)
@@ -763,7 +777,7 @@ def main(argv=None):
     model, ref, opt = build_models(cfg, d)
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
     state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
-    train(cfg, d, model, ref, opt, tok, task, weights, stop_ids, state, record)
+    train(cfg, d, model, ref, opt, tok, task, weights, plugins, stop_ids, state, record)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
     else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)

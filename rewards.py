@@ -106,15 +106,16 @@ def overlong_penalty(num_tokens: int | None, max_tokens: int | None) -> float:
 # ---------------------------------------------------------------- the --reward_weights and --reward_tolerance flags
 
 
-def parse_weights(text: str) -> dict:
-    """'correct=1,format=0.1' -> DEFAULT_WEIGHTS updated with those values (the --reward_weights flag)."""
-    weights = dict(DEFAULT_WEIGHTS)
+def parse_weights(text: str, defaults: dict = DEFAULT_WEIGHTS) -> dict:
+    """'correct=1,format=0.1' -> defaults (DEFAULT_WEIGHTS; with --reward_fn plug-ins theirs too) updated with those
+    values (the --reward_weights flag)."""
+    weights = dict(defaults)
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = item.partition("=")
         name = name.strip()
-        if not eq or name not in DEFAULT_WEIGHTS:
+        if not eq or name not in defaults:
             raise ValueError(f"bad reward weight {item!r} in --reward_weights: expected name=value with name in "
-                             f"{sorted(DEFAULT_WEIGHTS)}")
+                             f"{sorted(defaults)}")
         try:
             weights[name] = float(value)
         except ValueError:

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import difflib
 import gc
+import importlib
 import importlib.util
 import json
 import math
@@ -416,8 +417,9 @@ class JsonlLogger:
             run_dir = Path(path).parent
             self.wandb_file = run_dir / "wandb_run_id"
             run_id, last = (self.wandb_file.read_text().split() + ["0"])[:2] if self.wandb_file.is_file() else ("", 0)
-            if not run_id or int(last) > start_step:
-                run_id = wandb.util.generate_id()
+            if not run_id or int(last) > start_step:  # (wandb 0.31 keeps generate_id only in sdk.lib.runid)
+                new_id = getattr(wandb.util, "generate_id", None)
+                run_id = (new_id or importlib.import_module("wandb.sdk.lib.runid").generate_id)()
             self.wandb = wandb.init(project=wandb_project, name=run_dir.name, id=run_id, resume="allow",
                                     dir=str(run_dir), config=config)
             self.wandb_id = run_id
@@ -443,6 +445,22 @@ class JsonlLogger:
             for k, v in nums.items():
                 self.tb.add_scalar(k, v, global_step=row.get("step"))
 
+    def table(self, name: str, rows: list[dict], step: int):
+        """Mirror a table of rows (e.g. a step's completions; columns: the first row's keys) to W&B as a
+        wandb.Table and to TensorBoard as a markdown text, at `step`. Nothing without those loggers."""
+        if not rows or (self.wandb is None and self.tb is None):
+            return
+        columns = list(rows[0])
+        cells = [[row.get(c) for c in columns] for row in rows]
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=columns, data=cells)}, step=step)
+        if self.tb is not None:  # a markdown table
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in cells]
+            self.tb.add_text(name, "\n".join(lines), global_step=step)
+
     def close(self):
         if self.f is not None:
             self.f.close()
@@ -453,6 +471,12 @@ class JsonlLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def _markdown_cell(value) -> str:
+    """One markdown table cell: floats to 4 digits, | and newlines escaped (a completion stays one row)."""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 class Progress:

@@ -194,6 +194,9 @@ class GRPOConfig:
                                "last checkpoint (0 = off): a crash loses at most that much", section="infrastructure")
     keep: int = flag(2, "checkpoints to keep", section="infrastructure")
     log_samples: int = flag(2, "completions per step written to samples.jsonl", section="infrastructure")
+    log_samples_every: int = flag(0, "every N steps, those completions (prompt, completion, reward "
+                                  "components) as a table to --wandb / --tensorboard (0 = off)",
+                                  section="infrastructure")
     resume: str = flag("auto", "auto: continue from the newest checkpoint in --out_dir (if any) | "
                        "none: start fresh | PATH: that checkpoint", section="infrastructure")
     overwrite: bool = flag(False, "start over, deleting the run already in --out_dir", section="infrastructure")
@@ -537,8 +540,9 @@ def check_config(cfg: GRPOConfig, d) -> tuple[dict | None, list]:
                 at_least_1=("prompts_per_step", "group_size", "max_new_tokens", "gen_batch", "mu",
                             "steps"),
                 at_least_0=("train_micro_batch", "micro_batch_tokens", "top_k", "warmup",
-                            "eval_every", "save_every", "save_minutes", "keep", "log_samples", "max_minutes", "beta",
-                            "weight_decay", "epsilon", "epsilon_high", "grad_clip", "progress_every"),
+                            "eval_every", "save_every", "save_minutes", "keep", "log_samples", "log_samples_every",
+                            "max_minutes", "beta", "weight_decay", "epsilon", "epsilon_high", "grad_clip",
+                            "progress_every"),
                 positive=("lr", "temperature", "top_p", "dist_timeout"))
     if P % W:
         raise SystemExit(f"error: --prompts_per_step={P} is not divisible by the world size {W}")
@@ -674,11 +678,14 @@ def training_rows(prompts: list[list[int]], roll: Rollout, group_size: int, pad_
 
 
 def write_samples(samples_log, step: int, prompts: list[str], texts: list[str], scores: list[dict],
-                  cfg: GRPOConfig):
-    """The step's first --log_samples completions with their prompt and reward components."""
+                  cfg: GRPOConfig) -> list[dict]:
+    """The step's first --log_samples completions with their prompt and reward components (-> those rows)."""
+    rows = []
     for i in range(min(cfg.log_samples, len(texts))):
         prompt = prompts[i // cfg.group_size]
-        samples_log.write({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
+        rows.append({"step": step, "prompt": prompt, "completion": texts[i], **scores[i]})
+        samples_log.write(rows[-1])
+    return rows
 
 
 def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plugins, stop_ids,
@@ -729,7 +736,9 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
                                                         plugins, stop_ids, order)
         train_s += times["step"]
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
-        write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
+        samples = write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
+        if cfg.log_samples_every and step % cfg.log_samples_every == 0:  # a table where people look
+            log.table("completions", samples, step)
 
         out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
         done = step == cfg.steps or out_of_time

@@ -99,7 +99,8 @@ TRAINING_FILES = (TRAIN_STATE, PROGRESS, RUN_CONFIG)  # (+ rng_rank*.pt): not pa
 # in the stage's own `must_match` (e.g. its batch shape); other flags (lr, steps, loss, dist, world size, the compute
 # --dtype, ...) may change. The --init weights are also compared by content (run_record's init_sha256)
 RESUME_MUST_MATCH = ("init", "task", "split", "data_path", "data_seed", "task_knobs", "template", "seed",
-                     "weights_dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
+                     "weights_dtype", "lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype",
+                     "question_field", "answer_field", "answer_regex", "solution_field", "system_prompt")
 
 # DCP warns on every save/load in a plain `python script.py` run that it assumes one process: it is right
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -107,11 +107,13 @@ def test_grpo_trains_two_steps_on_a_custom_jsonl(tiny_dir, tmp_path):
     write(d / "train.jsonl", RAW)
     write(d / "test.jsonl", RAW[:3])
     out = tmp_path / "run"
-    grpo.main(["--init", str(tiny_dir), "--task", "custom", "--data_path", str(d), "--question_field", "problem",
-               "--answer_field", "worked", "--answer_regex", r"####\s*(\S+)", "--split", "train",
-               "--eval_split", "test", "--steps", "2", "--eval_every", "2", "--prompts_per_step", "2",
-               "--group_size", "2", "--gen_batch", "2", "--max_new_tokens", "12", "--log_samples", "4",
-               "--out_dir", str(out)])  # fmt: skip
+    argv = ["--init", str(tiny_dir), "--task", "custom", "--data_path", str(d), "--question_field", "problem",
+            "--answer_field", "worked", "--split", "train", "--eval_split", "test", "--eval_every", "2",
+            "--prompts_per_step", "2", "--group_size", "2", "--gen_batch", "2", "--max_new_tokens", "12",
+            "--log_samples", "4", "--out_dir", str(out)]  # fmt: skip
+    grpo.main([*argv, "--answer_regex", r"####\s*(\S+)", "--steps", "2"])
+    with pytest.raises(SystemExit, match=r"cannot resume .* --answer_regex ####\\s\*\(\\S\+\) -> "):
+        grpo.main([*argv, "--answer_regex", r"####\s*(\d+)", "--steps", "3"])  # other golds: not the same run
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and "eval_pass1" in metrics[1]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -16,6 +16,7 @@ import pytest
 import data
 import grpo
 import rewards
+import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 RAW = [{"problem": f"Add {a} and {b}.", "worked": f"{a}+{b}={a + b}\n#### {a + b}", "level": str(a % 3)}
@@ -122,3 +123,17 @@ def test_grpo_trains_two_steps_on_a_custom_jsonl(tiny_dir, tmp_path):
     for s in samples:  # each logged reward is the reward against the regex's gold, a number
         want = rewards.reward("<think>" + s["completion"], gold[s["prompt"]], num_tokens=None, numeric=True)
         assert s["correct"] == want["correct"] and s["format"] == want["format"]
+
+
+def test_sft_trains_on_a_custom_datasets_worked_solutions(tmp_path, capsys):
+    f = write(tmp_path / "mine.csv", RAW)
+    argv = ["--task", "custom", "--data_path", str(f), "--question_field", "problem", "--answer_field", "worked",
+            "--answer_regex", r"####\s*(\S+)", "--split", "train", "--eval_split", "train[:2]", "--steps", "1",
+            "--global_batch", "2", "--micro_batch", "2", "--eval_every", "0", "--stop_pass1", "0"]  # fmt: skip
+    with pytest.raises(SystemExit, match="has no solution to train on"):
+        sft.main([*argv, "--out_dir", str(tmp_path / "none")])  # the answer alone is no worked solution
+    sft.main([*argv, "--solution_field", "worked", "--out_dir", str(tmp_path / "s")])
+    assert (tmp_path / "s" / "model" / "config.json").is_file()
+    # the targets were the reasoning before "#### N", then the regex's gold in the answer tags
+    rows = data.load_task("custom", "train", path=str(f), columns={**COLUMNS})
+    assert data.sft_target(rows[0]) == "3+4=7</think> <answer>7</answer>"

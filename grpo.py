@@ -64,6 +64,7 @@ from common import (
     cxx_compiler,
     flag,
     free_main_objects,
+    frozen_in_compute_dtype,
     grad_sync,
     make_generator,
     open_metrics_log,
@@ -599,6 +600,7 @@ def build_models(cfg: GRPOConfig, d):
         ref = fast.use_onednn(ref).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d, cfg.dtype)
+        ref = frozen_in_compute_dtype(ref, cfg.dtype)  # under autocast: bf16 projections, cast once
     fast.use_onednn(model)  # fp32 projections through oneDNN where it is the faster kernel (an AMD AVX-512 CPU)
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     model = wrap_model(model, cfg.dist, d, cfg.dtype)

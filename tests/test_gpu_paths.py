@@ -127,8 +127,9 @@ def test_peak_memory_is_reset_at_each_step(monkeypatch, tiny_dir, tmp_path):
 
 def test_estimate_counts_autocasts_weight_copies():
     """Autocast over fp32 weights (one device, DDP) holds a bf16 copy of each trainable projection weight and bias
-    from forward through backward and through generation. CFG by hand: per block q 32x32 + 32, k and v 16x32 + 16
-    each, o 32x32, gate / up / down 48x32 each: 7744 values, 2 blocks, 2 bytes each."""
+    from forward through backward and through generation; of an fp32 LoRA base for the context (lora.base_cast);
+    the reference stores its projections in bf16 (common.frozen_in_compute_dtype). CFG by hand: per block q 32x32
+    + 32, k and v 16x32 + 16 each, o 32x32, gate / up / down 48x32 each: 7744 values, 2 blocks, 2 bytes each."""
     cfg = M.ModelConfig(**CFG)
     shapes = dict(rows=4, seq=40, gen_rows=4, gen_prompts=2, prompt_len=10, new_tokens=30, cpu=False)
     assert 7744 == 32 * 32 + 32 + 2 * (16 * 32 + 16) + 32 * 32 + 3 * 48 * 32
@@ -142,6 +143,10 @@ def test_estimate_counts_autocasts_weight_copies():
     assert memory_estimate(cfg, **shapes, compute_bytes=2, param_bytes=2)["autocast_copies"] == 0  # bf16 weights
     fsdp = memory_estimate(cfg, **shapes, compute_bytes=2, world_size=2, dist="fsdp")  # MixedPrecisionPolicy casts
     assert fsdp["autocast_copies"] == 0
-    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2)  # the adapters alone train
+    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2, base_bytes=2)  # the adapters alone train
     assert lora["autocast_copies"] == 2 * lora_param_count(cfg, 2)
+    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2)  # + an fp32 base, cast once (base_cast)
+    assert lora["autocast_copies"] == 2 * lora_param_count(cfg, 2) + 2 * cast
+    ref = memory_estimate(cfg, **shapes, compute_bytes=2, reference=True)  # its projections held in bf16
+    assert ref["reference"] == 4 * sum(p.numel() for p in model.parameters()) - 2 * cast
     assert "autocast copies" in format_memory(est)

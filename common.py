@@ -503,6 +503,13 @@ def wrap_model(model: torch.nn.Module, mode: str, d: Dist, dtype: str = "float32
     raise ValueError(f"--dist must be none, ddp or fsdp, got {mode!r}")
 
 
+def load_device(mode: str, d: Dist) -> torch.device:
+    """Where a model is built before wrap_model: under FSDP2 the CPU, as fully_shard moves each block to the GPU
+    as it shards it (and the root last), so a GPU never holds a whole fp32 model (let alone GRPO's two); else the
+    run's device."""
+    return torch.device("cpu") if mode == "fsdp" and is_dist() else d.device
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The underlying Transformer (DDP keeps it in .module; FSDP2 shards in place, so it is the model itself)."""
     return getattr(model, "module", model)

@@ -1,6 +1,9 @@
 """The CUDA-only branches of the forward, probed on the CPU (#48): which arguments SDPA gets on CUDA, what the
 memory estimate counts for them, and the per-step peak memory."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,7 @@ import model as M
 import sft
 from memory import block_activation_bytes, format_memory, lora_param_count, memory_estimate
 from packing import packed_attention
-from tests.test_memory import _saved_bytes
+from tests.test_memory import ENV, ROOT, _saved_bytes
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CFG = dict(model_type="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -150,3 +153,64 @@ def test_estimate_counts_autocasts_weight_copies():
     ref = memory_estimate(cfg, **shapes, compute_bytes=2, reference=True)  # its projections held in bf16
     assert ref["reference"] == 4 * sum(p.numel() for p in model.parameters()) - 2 * cast
     assert "autocast copies" in format_memory(est)
+
+
+_FSDP_LOAD_WORKER = r"""
+import dataclasses, gc, sys
+import torch
+import torch.distributed.fsdp as fsdp
+from torch.distributed.tensor import DTensor
+import common, grpo
+from hf import load_model
+
+init = sys.argv[1]
+d = common.init_dist()
+cfg = common.parse_config(grpo.GRPOConfig, ["--init", init, "--dist", "fsdp", "--beta", "0.1"])
+full = load_model(init)  # the unsharded load: the reference for every check below
+n_full = sum(p.numel() for p in full.parameters())
+
+# 1. unsharded parameters on the device whenever a fully_shard starts ("meta" stands in for the GPU: FSDP2's mesh
+# is gloo's CPU, so what sits on meta was put there by the loading, not by sharding)
+loaded, on_device = [], []
+real_load, real_shard = grpo.load_model, fsdp.fully_shard
+def load(*a, **k):
+    loaded.append(real_load(*a, **k))
+    return loaded[-1]
+def shard(module, **k):
+    on = [p for m in loaded for p in m.parameters() if p.device.type == "meta" and not isinstance(p, DTensor)]
+    on_device.append(sum(p.numel() for p in on))
+    return real_shard(module, **k)
+grpo.load_model, fsdp.fully_shard = load, shard
+grpo.build_models(cfg, dataclasses.replace(d, device=torch.device("meta")))
+grpo.load_model, fsdp.fully_shard = real_load, real_shard
+common.print0(f"unsharded on the device at a fully_shard: at most {max(on_device) / n_full:.2f} models")
+assert max(on_device) == 0, (on_device, n_full)
+
+# 2. sharded as loaded: the policy and the reference gather to the unsharded load, bitwise
+model, ref, _ = grpo.build_models(cfg, d)
+want = full.state_dict()
+for m in (model, ref):
+    for k, v in m.state_dict().items():
+        assert torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, want[k]), k
+
+# 3. the reference's root (embeddings, head) resharded after its forward passes, the blocks' too
+tokens = torch.randint(3, full.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+grpo.frozen_logprobs(model, ref, [dict(tokens=tokens, targets=tokens)], cfg)
+for name, p in ref.named_parameters():
+    assert isinstance(p, DTensor), f"{name} left gathered after the reference's forward"
+common.print0("fsdp load ok")
+common.cleanup_dist()
+del model, ref, full, loaded
+gc.collect()
+"""
+
+
+def test_fsdp2_shards_as_it_loads_and_reshards_the_reference(tiny_dir):
+    """#48 item 5, on 2 gloo processes: under FSDP2 the models are read to the CPU and fully_shard moves them to
+    the device a block at a time (no unsharded parameter on the device when a fully_shard starts; before, both full
+    fp32 models sat there), the sharded policy and reference equal the unsharded load bitwise, and the
+    reference's root is resharded after its forward passes (FSDP2 keeps a root gathered for a backward)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "--no-python",
+           sys.executable, "-c", _FSDP_LOAD_WORKER, str(tiny_dir)]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "fsdp load ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
 import grpo
@@ -38,6 +39,45 @@ def test_expand_kv_rule():
     assert not M.expand_kv("cuda", BF16, 12, 2, masked=False)
     assert not M.expand_kv("cuda", BF16, 12, 12, masked=True)
     assert not M.expand_kv("cpu", BF16, 12, 2, masked=True) and not M.expand_kv("cpu", FP32, 12, 2, masked=True)
+
+
+def test_decode_sdpa_keeps_off_cudnn(monkeypatch):
+    """#48 item 6, the dispatch rule: off the CPU a decode step's SDPA call (one query) runs with cuDNN's kernel
+    disabled (it would build a graph per key length: a new one every step), the other kernels as they were (an
+    outer sdpa_kernel's pin kept); the flags are restored after it, and prefill (several queries) is left to SDPA's own
+    choice. (Meta tensors stand in for CUDA ones: SDPA computes their shapes only.)"""
+    backends = torch.backends.cuda
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*a, **k):
+        seen.append((backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                     backends.math_sdp_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    before = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(),
+                           backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
+    assert before[0], "cuDNN attention is on by default (the test needs the flag it checks)"
+    q, kv = torch.randn(3, 1, 4, 8, device="meta"), torch.randn(3, 2, 7, 8, device="meta")
+    mask = torch.zeros(3, 1, 1, 7, device="meta")
+    assert M.attention(q, kv, kv, mask).shape == (3, 1, 4, 8)
+    assert M.attention(q, kv, kv, None).shape == (3, 1, 4, 8)
+    assert seen == [(False, True, True, True)] * 2
+    seen_flags = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                  backends.math_sdp_enabled())
+    assert seen_flags == before
+    seen.clear()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # gpu_check's pin stays
+        M.attention(q, kv, kv, mask)
+    assert seen == [(False, True, True, False)]
+    seen.clear()
+    autocast_on = torch.is_autocast_enabled  # (meta has no autocast state: off)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a[:1] != ("meta",) and autocast_on(*a))
+    M.attention(torch.randn(3, 7, 4, 8, device="meta"), kv, kv, None)  # prefill: SDPA's choice, cuDNN included
+    assert seen == [before]
+    M.attention(torch.randn(3, 1, 4, 8), torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8), None)  # CPU: matmuls
+    assert len(seen) == 1
 
 
 def _inputs():

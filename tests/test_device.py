@@ -8,6 +8,9 @@ mode that runs every op on the data and raises on a device mix. CUDA's rules are
 take part as a scalar; copies between devices (.to, .cpu, .tolist, .item, copy_) are allowed; a random op needs a
 generator of its own device. The test that it catches misplacement: test_harness_catches_misplacement.
 torch.autocast on the device is emulated (DeviceAutocast), so --dtype bfloat16's paths run there too.
+One process only: gloo's Python bindings refuse the subclass ("Unable to cast Python instance of type OnDevice"),
+and DDP's reducer and FSDP2's DTensors call collectives from C++, so a two-process run on this device would need
+the collectives reimplemented here; DDP and FSDP2 run over gloo on the CPU (tests/test_multinode.py and others).
 """
 
 import types
@@ -239,8 +242,8 @@ def test_grpo_paths_on_a_second_device(second_device, tiny_dir, tmp_path, flags)
     shared prompts (packed by segment ids where sequences fit: test_packed_forward_on_a_second_device); LoRA with
     the base as the KL reference (lora_A made on the CPU, without device=, fails here: checked by mutation);
     --dtype bfloat16 under DeviceAutocast, with the reference's bf16 projections and the LoRA base's cast
-    (model.head_logits' fp32 input moved to the CPU, or lora.base_cast's copy made there, fails here: checked by
-    mutation)."""
+    (model.head_logits' fp32 input moved to the CPU, lora.base_cast's copy or common.frozen_in_compute_dtype's
+    projections made there, fails here: checked by mutation)."""
     grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "grpo"), *FAST, "--prompts_per_step", "2",
                "--group_size", "4", "--gen_batch", "2", "--reward_weights", "overlong=1", "--eval_every", "0",
                "--steps", "1", *flags])  # fmt: skip

@@ -22,7 +22,7 @@ import time
 import traceback
 import types
 import typing
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as tdist
+
+from lora import base_cast
 
 # -----------------------------------------------------------------------------
 # distributed setup
@@ -539,13 +541,34 @@ def autocast(model: torch.nn.Module, dtype: str):
     same numbers. --dtype bfloat16 on one device or under DDP: torch.autocast, i.e. matmuls and attention in bf16
     over the (fp32) weights; the model itself keeps logits, log-softmax and RMSNorm statistics in fp32. Under
     FSDP2 the MixedPrecisionPolicy of wrap_model casts the parameters instead, so nothing is needed here. The
-    backward pass runs outside it (autograd replays the forward's casts)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if DTYPES[dtype] == torch.float32 or isinstance(model, FSDPModule):
+    backward pass runs outside it (autograd replays the forward's casts). A LoRA base is cast once for the
+    context (lora.base_cast), not at every call."""
+    if not uses_autocast(model, dtype):
         return nullcontext()
     device = next(model.parameters()).device  # (a DDP-wrapped model's parameters are its module's)
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
+    ctx = ExitStack()
+    ctx.enter_context(torch.autocast(device.type, dtype=DTYPES[dtype]))
+    ctx.enter_context(base_cast(model, DTYPES[dtype]))
+    return ctx
+
+
+def uses_autocast(model: torch.nn.Module, dtype: str) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return DTYPES[dtype] != torch.float32 and not isinstance(model, FSDPModule)
+
+
+def frozen_in_compute_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A frozen model (GRPO's KL reference outside FSDP2) with its blocks' projections stored in the compute dtype
+    where it runs under autocast: autocast casts them to it at every call anyway (it caches only the casts of
+    weights that train), so it computes the same values, bitwise, holds them at half the bytes and casts nothing.
+    Embeddings, norms and the head keep their dtype (autocast leaves them; model.head_logits reads the head in
+    fp32). In place; -> the model."""
+    if uses_autocast(model, dtype):
+        for m in model.layers.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.to(DTYPES[dtype])
+    return model
 
 
 # -----------------------------------------------------------------------------
@@ -570,6 +593,13 @@ def wrap_model(model: torch.nn.Module, mode: str, d: Dist, dtype: str = "float32
         fully_shard(model, mp_policy=mp)
         return model
     raise ValueError(f"--dist must be none, ddp or fsdp, got {mode!r}")
+
+
+def load_device(mode: str, d: Dist) -> torch.device:
+    """Where a model is built before wrap_model: under FSDP2 the CPU, as fully_shard moves each block to the GPU
+    as it shards it (and the root last), so a GPU never holds a whole fp32 model (let alone GRPO's two); else the
+    run's device."""
+    return torch.device("cpu") if mode == "fsdp" and is_dist() else d.device
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

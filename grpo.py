@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 import fast
 import reward_plugins
@@ -65,7 +66,9 @@ from common import (
     cxx_compiler,
     flag,
     free_main_objects,
+    frozen_in_compute_dtype,
     grad_sync,
+    load_device,
     make_generator,
     open_metrics_log,
     peak_mem_mb,
@@ -470,6 +473,8 @@ def frozen_logprobs(model, ref, sliced: list[dict], cfg: GRPOConfig):
                 if ref is not None:
                     with adapters_off(ref):
                         ref_logp[k] = completion_logprobs(ref, mb, cfg.temperature, cfg.dtype)[0]
+    if isinstance(ref, FSDPModule) and ref is not model:
+        ref.reshard()  # FSDP2 keeps a root's parameters (embeddings, head) gathered after forward, for a backward
     return old, ref_logp
 
 
@@ -608,25 +613,27 @@ def build_models(cfg: GRPOConfig, d):
     """-> the policy (wrapped for DDP / FSDP2), the frozen KL reference (None with beta = 0; with LoRA
     the policy itself, its adapters switched off) and AdamW over the trained parameters."""
     weights_dtype = DTYPES[cfg.weights_dtype]  # fp32 by default: the master copy AdamW updates
+    device = load_device(cfg.dist, d)  # FSDP2: the CPU, each model sharded onto the GPU as it is wrapped
     # no weights, a truncated safetensors file, weights that do not fit config.json
     with user_input("--init"):
         base_dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else weights_dtype
-        model = load_model(cfg.init, device=d.device, dtype=base_dtype, size_limits=cfg.size_limits)
+        model = load_model(cfg.init, device=device, dtype=base_dtype, size_limits=cfg.size_limits)
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                      seed=cfg.seed, base=cfg.init)
+    fast.use_onednn(model)  # fp32 projections through oneDNN where it is the faster kernel (an AMD AVX-512 CPU)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    model = wrap_model(model, cfg.dist, d, cfg.dtype)
     ref = None
     # frozen copy of the starting policy; with beta = 0 it is never built
     if cfg.beta > 0 and not cfg.lora_rank:
-        ref = load_model(cfg.init, device=d.device, dtype=weights_dtype,
+        ref = load_model(cfg.init, device=device, dtype=weights_dtype,
                          size_limits=cfg.size_limits)
         ref = fast.use_onednn(ref).requires_grad_(False).eval()
         if cfg.dist == "fsdp":  # sharded like the policy; under DDP a frozen model needs no wrapper
             ref = wrap_model(ref, "fsdp", d, cfg.dtype)
-    fast.use_onednn(model)  # fp32 projections through oneDNN where it is the faster kernel (an AMD AVX-512 CPU)
-    model.set_activation_checkpointing(cfg.activation_checkpointing)
-    model = wrap_model(model, cfg.dist, d, cfg.dtype)
+        ref = frozen_in_compute_dtype(ref, cfg.dtype)  # under autocast: bf16 projections, cast once
     if cfg.beta > 0 and cfg.lora_rank:
         ref = model  # the reference for free: the same weights with the adapters switched off
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone

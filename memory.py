@@ -100,11 +100,17 @@ def memory_estimate(cfg: ModelConfig, *, rows: int, seq: int, max_rows: int = 0,
     gathered_gen = P * compute_bytes if sharded else 0
     # torch.autocast over fp32 weights (one device, DDP) keeps a bf16 copy of every trainable weight it casts, the
     # blocks' projections and their biases (or the LoRA adapters), from the first use to the context's exit:
-    # through generation, and through forward and backward. (The head runs in fp32: model.head_logits. Frozen
-    # fp32 weights are cast again at each call, one at a time.)
+    # through generation, and through forward and backward; an fp32 LoRA base is cast once for the context too
+    # (lora.base_cast). (The head runs in fp32: model.head_logits.) The reference holds its projections in bf16
+    # (common.frozen_in_compute_dtype)
     norms = 2 * C + 2 * cfg.head_dim * (cfg.model_type == "qwen3")  # per block, never cast
+    projections = L * (block - norms)  # the blocks' projection weights and biases
     autocast = compute_bytes == 2 and not sharded and tb == 4
-    est["autocast_copies"] = (lora if lora_rank else L * (block - norms)) * 2 if autocast else 0
+    fp32_base = lora_rank and (base_bytes or param_bytes) == 4
+    cast = lora + projections * fp32_base if lora_rank else projections
+    est["autocast_copies"] = cast * 2 if autocast else 0
+    if reference and autocast:
+        est["reference"] -= projections * 2
 
     # training, the largest micro-batch of n tokens. Checkpointed, each block keeps only its input, and backward
     # recomputes one block at a time; either way backward adds about one block's worth of gradients in flight

@@ -15,6 +15,7 @@ Llama `attention_bias`/`mlp_bias` options): such configs are rejected with an er
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -283,6 +284,19 @@ def sdpa(q, k, v, mask=None, is_causal=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
 
 
+@contextmanager
+def without_cudnn_attention():
+    """A decode step's SDPA call on CUDA: any kernel enabled but cuDNN's, which builds an execution graph per
+    shape (55-400 ms each, upstream reports) and would meet a new key length at every step. The other flags are
+    left as they are (an outer sdpa_kernel still pins them)."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def attention(q, k, v, mask):
     """The one masked attention. q (B, T, H, D); k, v (B, Hkv, S, D), each kv head serving H / Hkv query heads;
     mask additive (B or 1, 1, T, S), or None: causal (T == S) or, for one query, every key. -> (B, T, H, D)"""
@@ -292,7 +306,8 @@ def attention(q, k, v, mask):
         return y.transpose(1, 2)
     q = q.view(B, k.shape[1], -1, D)  # one query: a kv head's query heads act as queries of it (B, Hkv, H / Hkv, D)
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, 1, H, D)
+        with without_cudnn_attention():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, 1, H, D)
     # on the CPU two matmuls: its SDPA kernel is ~2x slower at decode shapes (docs/speed.md); softmax in fp32, as SDPA
     w = torch.matmul(q * D**-0.5, k.transpose(-1, -2))  # (B, Hkv, H / Hkv, S)
     if mask is not None:

@@ -96,6 +96,7 @@ from common import (
     flag,
     free_main_objects,
     grad_sync,
+    load_device,
     open_metrics_log,
     peak_mem_mb,
     permutation_stream,
@@ -375,14 +376,15 @@ def build_model(cfg: SFTConfig, d, path, model_cfg):
     """The HF dir's weights, or the preset initialised from --seed (+ LoRA adapters), wrapped for DDP /
     FSDP2, and AdamW. -> (model, optimizer, parameter count, trained parameter count)."""
     torch.manual_seed(cfg.seed)  # identical init on every rank (FSDP2 does not broadcast rank 0's)
+    device = load_device(cfg.dist, d)  # FSDP2: the CPU, sharded onto the GPU as it is wrapped
     if path is not None:
         # a truncated safetensors file, a config that does not fit the weights, ...
         with user_input("--init"):
             dtype = DTYPES[cfg.lora_base_dtype] if cfg.lora_rank else DTYPES[cfg.weights_dtype]
-            model = load_model(path, device=d.device, dtype=dtype,
+            model = load_model(path, device=device, dtype=dtype,
                                size_limits=cfg.size_limits)
     else:
-        model = model_lib.Transformer(model_cfg).to(d.device, DTYPES[cfg.weights_dtype])
+        model = model_lib.Transformer(model_cfg).to(device, DTYPES[cfg.weights_dtype])
     if cfg.lora_rank:  # freeze the base, add adapters (drawn from the seed: the same on every rank)
         with user_input("--lora_*"):
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,

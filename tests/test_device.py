@@ -7,6 +7,10 @@ real CPU data but says it lives on "meta" (a device type autograd and the checkp
 mode that runs every op on the data and raises on a device mix. CUDA's rules are kept: a CPU 0-dim tensor may
 take part as a scalar; copies between devices (.to, .cpu, .tolist, .item, copy_) are allowed; a random op needs a
 generator of its own device. The test that it catches misplacement: test_harness_catches_misplacement.
+torch.autocast on the device is emulated (DeviceAutocast), so --dtype bfloat16's paths run there too.
+One process only: gloo's Python bindings refuse the subclass ("Unable to cast Python instance of type OnDevice"),
+and DDP's reducer and FSDP2's DTensors call collectives from C++, so a two-process run on this device would need
+the collectives reimplemented here; DDP and FSDP2 run over gloo on the CPU (tests/test_multinode.py and others).
 """
 
 import types
@@ -14,9 +18,10 @@ import types
 import pytest
 import torch
 import torch.distributed.checkpoint.default_planner
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 import common
 import eval as eval_lib
@@ -65,6 +70,42 @@ class DeviceGenerator(torch.Generator):
         return super().manual_seed(seed)
 
 
+class DeviceAutocast:
+    """torch.autocast for DEV, which torch has not (meta has no autocast): while it is entered, HostData casts the
+    floating inputs of the products and attention (autocast's lower-precision ops) on DEV to its dtype, before
+    autograd, as autocast does, and torch.is_autocast_enabled / get_autocast_dtype report it for DEV, as the model
+    and the sampler read them."""
+
+    active = []  # the entered contexts' dtypes (None: entered with enabled=False)
+
+    def __init__(self, device_type=None, dtype=torch.bfloat16, enabled=True, **kw):
+        self.dtype = dtype if enabled else None
+
+    def __enter__(self):
+        DeviceAutocast.active.append(self.dtype)
+
+    def __exit__(self, *exc):
+        DeviceAutocast.active.pop()
+
+    @staticmethod
+    def dtype():
+        return DeviceAutocast.active[-1] if DeviceAutocast.active else None
+
+
+LOWER = {F.linear, torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.mm, torch.bmm, torch.addmm,
+         torch.baddbmm, F.scaled_dot_product_attention}
+
+
+def _autocast_args(func, args, kwargs):
+    """DeviceAutocast's casts of one call's arguments (where any is on DEV)."""
+    dtype = DeviceAutocast.dtype()
+    flat = tree_flatten((args, kwargs))[0]
+    if func not in LOWER or dtype is None or not any(isinstance(t, OnDevice) for t in flat):
+        return args, kwargs
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
 class SecondDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -103,10 +144,10 @@ class SecondDevice(TorchDispatchMode):
 
 class HostData(TorchFunctionMode):
     """torch.tensor(data, device=DEV) would copy the data to a real (empty) meta tensor below the dispatch mode: build
-    it on the CPU, then copy it over through the harness, as CUDA does."""
+    it on the CPU, then copy it over through the harness, as CUDA does. Also DeviceAutocast's casts."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        args, kwargs = _autocast_args(func, args, dict(kwargs or {}))
         if func in (torch.tensor, torch.as_tensor) and torch.device(kwargs.get("device") or "cpu").type == DEV.type:
             kwargs.pop("device")
             return func(*args, **kwargs).to(DEV)
@@ -130,10 +171,22 @@ def second_device(monkeypatch):
     monkeypatch.setattr(torch, DEV.type, types.SimpleNamespace(), raising=False)
     # DCP's loader takes a meta tensor for one still to be materialised; these hold data already
     monkeypatch.setattr(torch.distributed.checkpoint.default_planner, "_init_state_dict", lambda state: None)
-    autocast_on = torch.is_autocast_enabled  # (meta has no autocast: "off" there, as on a GPU at --dtype float32)
-    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a[:1] != (DEV.type,) and autocast_on(*a))
-    with SecondDevice(), HostData():
-        yield
+    # autocast on DEV: DeviceAutocast (meta has none of its own)
+    real = torch.autocast, torch.is_autocast_enabled, torch.get_autocast_dtype
+    on_dev = lambda *a, **k: torch.device(k.get("device_type", a[0] if a else "cpu")).type == DEV.type
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: (DeviceAutocast if on_dev(*a, **k) else real[0])(*a, **k))
+    monkeypatch.setattr(torch, "is_autocast_enabled",
+                        lambda *a: DeviceAutocast.dtype() is not None if a[:1] == (DEV.type,) else real[1](*a))
+    monkeypatch.setattr(torch, "get_autocast_dtype",
+                        lambda d: DeviceAutocast.dtype() if d == DEV.type else real[2](d))
+    # module.to(dtype) on DEV: swap the tensors (param.data = t would keep the wrapper's old .elem)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with SecondDevice(), HostData():
+            yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def test_harness_catches_misplacement(second_device):
@@ -149,6 +202,14 @@ def test_harness_catches_misplacement(second_device):
     w = torch.randn(4, 2, device=DEV, requires_grad=True)
     (torch.randn(3, 4, device=DEV) @ w).sum().backward()
     assert w.grad.device == DEV
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):  # DeviceAutocast: products in bf16, gradients in fp32
+        assert torch.is_autocast_enabled(DEV.type) and torch.get_autocast_dtype(DEV.type) == torch.bfloat16
+        y = torch.randn(3, 4, device=DEV) @ w
+        with torch.autocast(DEV.type, enabled=False):
+            assert (torch.randn(3, 4, device=DEV) @ w).dtype == torch.float32
+    assert y.dtype == torch.bfloat16 and not torch.is_autocast_enabled(DEV.type)
+    y.sum().backward()
+    assert w.grad.dtype == torch.float32 and w.grad.device == DEV
 
 
 FAST = ["--task", "arith", "--split", "train[:16]", "--eval_split", "test[:4]", "--max_new_tokens", "8"]
@@ -170,12 +231,19 @@ def test_sft_grpo_eval_on_a_second_device(second_device, tiny_dir, tmp_path):
     assert (tmp_path / "eval" / "summary.json").is_file()
 
 
-@pytest.mark.parametrize("flags", [["--share_prompt", "false"], ["--lora_rank", "2", "--beta", "0.1"]],
-                         ids=["packed-segments", "lora"])
+BF16 = ["--dtype", "bfloat16", "--beta", "0.1"]
+
+
+@pytest.mark.parametrize("flags", [["--share_prompt", "false"], ["--lora_rank", "2", "--beta", "0.1"], BF16,
+                                   BF16 + ["--lora_rank", "2"]],
+                         ids=["packed-segments", "lora", "bf16-autocast", "bf16-lora"])
 def test_grpo_paths_on_a_second_device(second_device, tiny_dir, tmp_path, flags):
     """#48 item 2: the paths the default run does not take. --share_prompt false: the training batch without
     shared prompts (packed by segment ids where sequences fit: test_packed_forward_on_a_second_device); LoRA with
-    the base as the KL reference (lora_A made on the CPU, without device=, fails here: checked by mutation)."""
+    the base as the KL reference (lora_A made on the CPU, without device=, fails here: checked by mutation);
+    --dtype bfloat16 under DeviceAutocast, with the reference's bf16 projections and the LoRA base's cast
+    (model.head_logits' fp32 input moved to the CPU, lora.base_cast's copy or common.frozen_in_compute_dtype's
+    projections made there, fails here: checked by mutation)."""
     grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "grpo"), *FAST, "--prompts_per_step", "2",
                "--group_size", "4", "--gen_batch", "2", "--reward_weights", "overlong=1", "--eval_every", "0",
                "--steps", "1", *flags])  # fmt: skip

@@ -1,9 +1,13 @@
 """The CUDA-only branches of the forward, probed on the CPU (#48): which arguments SDPA gets on CUDA, what the
 memory estimate counts for them, and the per-step peak memory."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import common
 import grpo
@@ -11,7 +15,7 @@ import model as M
 import sft
 from memory import block_activation_bytes, format_memory, lora_param_count, memory_estimate
 from packing import packed_attention
-from tests.test_memory import _saved_bytes
+from tests.test_memory import ENV, ROOT, _saved_bytes
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CFG = dict(model_type="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -35,6 +39,45 @@ def test_expand_kv_rule():
     assert not M.expand_kv("cuda", BF16, 12, 2, masked=False)
     assert not M.expand_kv("cuda", BF16, 12, 12, masked=True)
     assert not M.expand_kv("cpu", BF16, 12, 2, masked=True) and not M.expand_kv("cpu", FP32, 12, 2, masked=True)
+
+
+def test_decode_sdpa_keeps_off_cudnn(monkeypatch):
+    """#48 item 6, the dispatch rule: off the CPU a decode step's SDPA call (one query) runs with cuDNN's kernel
+    disabled (it would build a graph per key length: a new one every step), the other kernels as they were (an
+    outer sdpa_kernel's pin kept); the flags are restored after it, and prefill (several queries) is left to SDPA's own
+    choice. (Meta tensors stand in for CUDA ones: SDPA computes their shapes only.)"""
+    backends = torch.backends.cuda
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*a, **k):
+        seen.append((backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                     backends.math_sdp_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    before = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(),
+                           backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
+    assert before[0], "cuDNN attention is on by default (the test needs the flag it checks)"
+    q, kv = torch.randn(3, 1, 4, 8, device="meta"), torch.randn(3, 2, 7, 8, device="meta")
+    mask = torch.zeros(3, 1, 1, 7, device="meta")
+    assert M.attention(q, kv, kv, mask).shape == (3, 1, 4, 8)
+    assert M.attention(q, kv, kv, None).shape == (3, 1, 4, 8)
+    assert seen == [(False, True, True, True)] * 2
+    seen_flags = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                  backends.math_sdp_enabled())
+    assert seen_flags == before
+    seen.clear()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # gpu_check's pin stays
+        M.attention(q, kv, kv, mask)
+    assert seen == [(False, True, True, False)]
+    seen.clear()
+    autocast_on = torch.is_autocast_enabled  # (meta has no autocast state: off)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a[:1] != ("meta",) and autocast_on(*a))
+    M.attention(torch.randn(3, 7, 4, 8, device="meta"), kv, kv, None)  # prefill: SDPA's choice, cuDNN included
+    assert seen == [before]
+    M.attention(torch.randn(3, 1, 4, 8), torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8), None)  # CPU: matmuls
+    assert len(seen) == 1
 
 
 def _inputs():
@@ -127,8 +170,9 @@ def test_peak_memory_is_reset_at_each_step(monkeypatch, tiny_dir, tmp_path):
 
 def test_estimate_counts_autocasts_weight_copies():
     """Autocast over fp32 weights (one device, DDP) holds a bf16 copy of each trainable projection weight and bias
-    from forward through backward and through generation. CFG by hand: per block q 32x32 + 32, k and v 16x32 + 16
-    each, o 32x32, gate / up / down 48x32 each: 7744 values, 2 blocks, 2 bytes each."""
+    from forward through backward and through generation; of an fp32 LoRA base for the context (lora.base_cast);
+    the reference stores its projections in bf16 (common.frozen_in_compute_dtype). CFG by hand: per block q 32x32
+    + 32, k and v 16x32 + 16 each, o 32x32, gate / up / down 48x32 each: 7744 values, 2 blocks, 2 bytes each."""
     cfg = M.ModelConfig(**CFG)
     shapes = dict(rows=4, seq=40, gen_rows=4, gen_prompts=2, prompt_len=10, new_tokens=30, cpu=False)
     assert 7744 == 32 * 32 + 32 + 2 * (16 * 32 + 16) + 32 * 32 + 3 * 48 * 32
@@ -142,6 +186,71 @@ def test_estimate_counts_autocasts_weight_copies():
     assert memory_estimate(cfg, **shapes, compute_bytes=2, param_bytes=2)["autocast_copies"] == 0  # bf16 weights
     fsdp = memory_estimate(cfg, **shapes, compute_bytes=2, world_size=2, dist="fsdp")  # MixedPrecisionPolicy casts
     assert fsdp["autocast_copies"] == 0
-    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2)  # the adapters alone train
+    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2, base_bytes=2)  # the adapters alone train
     assert lora["autocast_copies"] == 2 * lora_param_count(cfg, 2)
+    lora = memory_estimate(cfg, **shapes, compute_bytes=2, lora_rank=2)  # + an fp32 base, cast once (base_cast)
+    assert lora["autocast_copies"] == 2 * lora_param_count(cfg, 2) + 2 * cast
+    ref = memory_estimate(cfg, **shapes, compute_bytes=2, reference=True)  # its projections held in bf16
+    assert ref["reference"] == 4 * sum(p.numel() for p in model.parameters()) - 2 * cast
     assert "autocast copies" in format_memory(est)
+
+
+_FSDP_LOAD_WORKER = r"""
+import dataclasses, gc, sys
+import torch
+import torch.distributed.fsdp as fsdp
+from torch.distributed.tensor import DTensor
+import common, grpo
+from hf import load_model
+
+init = sys.argv[1]
+d = common.init_dist()
+cfg = common.parse_config(grpo.GRPOConfig, ["--init", init, "--dist", "fsdp", "--beta", "0.1"])
+full = load_model(init)  # the unsharded load: the reference for every check below
+n_full = sum(p.numel() for p in full.parameters())
+
+# 1. unsharded parameters on the device whenever a fully_shard starts ("meta" stands in for the GPU: FSDP2's mesh
+# is gloo's CPU, so what sits on meta was put there by the loading, not by sharding)
+loaded, on_device = [], []
+real_load, real_shard = grpo.load_model, fsdp.fully_shard
+def load(*a, **k):
+    loaded.append(real_load(*a, **k))
+    return loaded[-1]
+def shard(module, **k):
+    on = [p for m in loaded for p in m.parameters() if p.device.type == "meta" and not isinstance(p, DTensor)]
+    on_device.append(sum(p.numel() for p in on))
+    return real_shard(module, **k)
+grpo.load_model, fsdp.fully_shard = load, shard
+grpo.build_models(cfg, dataclasses.replace(d, device=torch.device("meta")))
+grpo.load_model, fsdp.fully_shard = real_load, real_shard
+common.print0(f"unsharded on the device at a fully_shard: at most {max(on_device) / n_full:.2f} models")
+assert max(on_device) == 0, (on_device, n_full)
+
+# 2. sharded as loaded: the policy and the reference gather to the unsharded load, bitwise
+model, ref, _ = grpo.build_models(cfg, d)
+want = full.state_dict()
+for m in (model, ref):
+    for k, v in m.state_dict().items():
+        assert torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, want[k]), k
+
+# 3. the reference's root (embeddings, head) resharded after its forward passes, the blocks' too
+tokens = torch.randint(3, full.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+grpo.frozen_logprobs(model, ref, [dict(tokens=tokens, targets=tokens)], cfg)
+for name, p in ref.named_parameters():
+    assert isinstance(p, DTensor), f"{name} left gathered after the reference's forward"
+common.print0("fsdp load ok")
+common.cleanup_dist()
+del model, ref, full, loaded
+gc.collect()
+"""
+
+
+def test_fsdp2_shards_as_it_loads_and_reshards_the_reference(tiny_dir):
+    """#48 item 5, on 2 gloo processes: under FSDP2 the models are read to the CPU and fully_shard moves them to
+    the device a block at a time (no unsharded parameter on the device when a fully_shard starts; before, both full
+    fp32 models sat there), the sharded policy and reference equal the unsharded load bitwise, and the
+    reference's root is resharded after its forward passes (FSDP2 keeps a root gathered for a backward)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "--no-python",
+           sys.executable, "-c", _FSDP_LOAD_WORKER, str(tiny_dir)]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "fsdp load ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

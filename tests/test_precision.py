@@ -11,6 +11,7 @@ import common
 import grpo
 import sft
 from hf import char_tokenizer, load_model, save_model
+from lora import add_lora, lora_layers
 from model import Transformer, preset_config
 
 # 20 AdamW steps at lr 1e-6: each weight moves ~2e-5, far above fp32's resolution at 0.02 (~2e-9) and far below
@@ -176,3 +177,70 @@ def test_grpo_bf16_logprob_gap(init_dir, tmp_path, capsys):
               f"bf16 {gaps['bfloat16']:.2e}")
     assert gaps["float32"] < 1e-4
     assert 0 < gaps["bfloat16"] < 0.05
+
+
+def _to_copies_of(weights, fn) -> int:
+    """How many times fn() casts (aten._to_copy) one of `weights` (by storage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ptrs = {w.untyped_storage().data_ptr() for w in weights}
+    n = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in ptrs:
+                n[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return n[0]
+
+
+def test_reference_holds_bf16_projections_and_computes_the_same(init_dir):
+    """#48 item 5: at --dtype bfloat16 (one device, DDP) GRPO's KL reference stores its blocks' projections in
+    bf16 (autocast cast them at every call: it caches only the casts of weights that train) and computes the same
+    log-probs, bitwise, as an fp32 copy under torch.autocast; embeddings and norms stay fp32."""
+    cfg = common.parse_config(grpo.GRPOConfig, ["--init", str(init_dir), "--beta", "0.1", "--dtype", "bfloat16"])
+    _, ref, _ = grpo.build_models(cfg, common.Dist())
+    dtypes = {n: p.dtype for n, p in ref.named_parameters()}
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == dtypes["layers.1.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["embed_tokens.weight"] == dtypes["layers.0.input_layernorm.weight"] == torch.float32
+    fp32 = load_model(init_dir)  # the reference as it was: fp32, cast by autocast at each call
+    tokens = torch.randint(3, fp32.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = fp32(tokens, targets=tokens)
+    projections = [p for n, p in ref.named_parameters() if n.endswith("proj.weight")]
+    got = []
+    with torch.no_grad(), common.autocast(ref, "bfloat16"):
+        assert _to_copies_of(projections, lambda: got.append(ref(tokens, targets=tokens)[0])) == 0  # no casts
+    assert torch.equal(got[0], want)
+    cfg32 = common.parse_config(grpo.GRPOConfig, ["--init", str(init_dir), "--beta", "0.1"])
+    assert {p.dtype for p in grpo.build_models(cfg32, common.Dist())[1].parameters()} == {torch.float32}
+
+
+def test_lora_base_is_cast_once_per_autocast_context(init_dir):
+    """#48 item 5: under common.autocast an fp32 LoRA base is cast to bf16 once for the context (lora.base_cast),
+    not at every forward (torch.autocast alone casts a frozen weight at each call: 3 forwards, 3 casts each), with
+    the same outputs, bitwise; the stored base stays fp32. With a bf16 base there is nothing to cast."""
+    model = add_lora(load_model(init_dir), 2, 4.0)
+    with torch.no_grad():
+        for m in lora_layers(model).values():
+            m.lora_B.weight.normal_(generator=torch.Generator().manual_seed(1))  # adapters that change the output
+    base = [m.weight for m in lora_layers(model).values()]
+    tokens = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def three_forwards(ctx):
+        with torch.no_grad(), ctx:
+            return [model(tokens) for _ in range(3)]
+
+    plain = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    assert _to_copies_of(base, lambda: three_forwards(plain())) == 3 * len(base)  # the count, as it was
+    assert _to_copies_of(base, lambda: three_forwards(common.autocast(model, "bfloat16"))) == len(base)
+    want, got = three_forwards(plain()), three_forwards(common.autocast(model, "bfloat16"))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert {w.dtype for w in base} == {torch.float32} and all(m.cast is None for m in lora_layers(model).values())
+    x = tokens[:, :5]
+    with common.autocast(model, "bfloat16"):  # with gradients too: autograd keeps the cast copy it used
+        model(x, targets=x)[0].sum().backward()
+    assert all(m.lora_B.weight.grad is not None for m in lora_layers(model).values())

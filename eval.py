@@ -154,6 +154,13 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
 # the evaluation loop
 
 
+def sample_line(records: list[dict]) -> str:
+    """The console's look at an in-loop eval: its first problem, the model's response and the verdict, one line."""
+    r = records[0]
+    verdict = "right" if r["correct"] else "wrong"
+    return f"  eval sample: {r['question']!r} -> {r['response'][:300]!r} ({verdict}; gold {r['gold']!r})"
+
+
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = EVAL_BATCH, device=None,
              seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",

@@ -84,7 +84,7 @@ from common import (
     wrap_model,
 )
 from data import encode_prompt, format_prompt, load_splits
-from eval import evaluate
+from eval import evaluate, sample_line
 from hf import check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, adapters_off, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
@@ -750,15 +750,17 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
         out_of_time = cfg.max_minutes > 0 and any_rank(train_s > cfg.max_minutes * 60)
         done = step == cfg.steps or out_of_time
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
-            summary, _ = evaluate(model, tok, task.eval_rows, template=cfg.template,
-                                  max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
-                                  tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
+            summary, records = evaluate(model, tok, task.eval_rows, template=cfg.template,
+                                        max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
+                                        tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
         bar.update(1, f"reward {metrics['reward']:.3f} | correct {metrics.get('correct', 0):.3f} | "
                    f"zero-std {metrics['frac_zero_std']:.2f} | len {metrics['len_mean']:.1f} | "
                    f"gen {times['generate']:.2f}s train {times['update']:.2f}s{evaluated}")
+        if evaluated:
+            print0(sample_line(records))
         due = checkpoint_due(cfg, step, saved_at)
         if done or due:
             saved_at = time.perf_counter()

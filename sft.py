@@ -111,7 +111,7 @@ from common import (
     wrap_model,
 )
 from data import encode_prompt, format_prompt, load_splits, parse_knobs, sft_target
-from eval import evaluate
+from eval import evaluate, sample_line
 from hf import char_tokenizer, check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import LORA_TARGETS, add_lora, check_lora
 from memory import format_memory, memory_estimate, memory_shapes
@@ -444,9 +444,10 @@ def sft_step(model, opt, examples, mine: list[int], n_tok: int, cfg: SFTConfig, 
 def held_out_eval(model, tok, eval_rows, cfg: SFTConfig, d, step: int, history: list[float], metrics: dict):
     """Greedy pass@1 on --eval_split (every rank takes part), into `metrics`; at the --eval_every grid's
     steps also into `history`. -> whether the stop rule (should_stop) now says stop."""
-    summary, _ = evaluate(model, tok, eval_rows, template=cfg.template,
-                          max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
-                          dtype=cfg.dtype)
+    summary, records = evaluate(model, tok, eval_rows, template=cfg.template,
+                                max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
+                                dtype=cfg.dtype)
+    print0(sample_line(records))
     metrics.update(eval_pass1=summary["pass@1"], eval_format=summary["format"],
                    eval_len=summary["len_mean"])
     if step % cfg.eval_every:  # the stop rules see the grid's evals only: an extra one at

@@ -14,6 +14,7 @@ import torch
 
 import grpo
 import packing
+from data import load_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -126,6 +127,15 @@ def test_save_minutes_checkpoints_by_wall_time(tiny_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
     grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "b"), *FLAGS, "--keep", "5"])
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000003"]
+
+
+def test_each_in_loop_eval_shows_one_sample(tiny_dir, tmp_path, capsys):
+    """The console shows one eval completion per in-loop eval: the first held-out problem, its response, verdict."""
+    flags = [*FLAGS[:FLAGS.index("--eval_every")], "--eval_every", "2", *FLAGS[FLAGS.index("--eval_every") + 2:]]
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(tmp_path / "a"), *flags, "--eval_split", "test[:3]"])
+    shown = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  eval sample: ")]
+    (first,) = load_splits(grpo.GRPOConfig(), "test[:1]")[0]
+    assert len(shown) == 2 and all(repr(first["question"]) in x and "; gold " in x for x in shown), shown  # 2, 3
 
 
 def test_optional_loggers_get_every_metric(tiny_dir, tmp_path, fake_wandb):

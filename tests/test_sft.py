@@ -193,8 +193,11 @@ def test_end_warning_names_the_floor_when_the_budget_runs_out():
 
 def test_stop_bar_never_reached_says_so_in_one_line(tmp_path, capsys):
     sft.main([*TINY, "--stop_pass1", "0.99", "--out_dir", str(tmp_path / "weak")])  # 6 steps: pass@1 stays ~0
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    out = capsys.readouterr().out.splitlines()
+    lines = [x for x in out if x.startswith("warning:")]
     assert len(lines) == 1 and "never reached --stop_pass1 0.99" in lines[0] and "--steps" in lines[0]
+    shown = [x for x in out if x.startswith("  eval sample: 'What is ")]  # one per in-loop eval (steps 3, 6)
+    assert len(shown) == 2 and all("; gold '" in x for x in shown), shown
     assert len(metrics(tmp_path / "weak")) == 6  # it ran its --steps budget, and the model is still published
     assert (tmp_path / "weak" / "model" / "config.json").is_file()
 

@@ -15,9 +15,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def copy_repo(dest: Path):
+    """The repo's files without its runs, caches and any virtual env inside it (a fresh clone's .venv is ~6 GB)."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns("runs", ".*", "*venv*", "__pycache__", "*.egg-info"))
+
+
 def test_demo_in_miniature(tmp_path):
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
+    copy_repo(repo)
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python` = this interpreter
     env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0",
            "SFT_FLAGS": "--steps 12 --eval_every 0 --global_batch 8 --micro_batch 8",
@@ -55,7 +60,7 @@ def test_demo_in_miniature(tmp_path):
 def test_demo_stops_on_a_start_too_weak_for_grpo(tmp_path):
     """An SFT start below MIN_START: one error line that says what to try, and GRPO never starts."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__", "*.egg-info"))
+    copy_repo(repo)
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
     env = {**os.environ, "PATH": path, "NPROC": "1", "OUT": "runs", "MIN_START": "0.1",
            "SFT_FLAGS": "--steps 3 --eval_every 0 --global_batch 8 --micro_batch 8", "EVAL_FLAGS": "--split test[:4]"}

@@ -24,14 +24,17 @@ gold is one number (a list could never equal it); against a list gold ("-2,1") i
 is always one thousand, never 1.000.
 Values (see the grammar section below for the tree and its bounds):
 - rationals exactly (fractions.Fraction), exact roots included (\sqrt{4} = 2, 8^{2/3} = 4); two rationals never
-  match approximately unless `tolerance` > 0.
+  match approximately unless `tolerance` > 0, with one exception: a decimal of >= FLOAT_PRINT_DIGITS (10)
+  significant digits is a print of a rational that it equals rounded or cut off at its last digit
+  ("0.0833333333333333" and "0.0833333333" are \frac{1}{12}; "0.0833", "0.333333" are not; "0.1250000001" is not
+  \frac18; an irrational gold is never matched by a decimal this way).
 - anything with radicals, pi, e, i, functions or variables: evaluated in complex floats at NUM_POINTS seeded
   points (each variable in [0.5, 2.5), the same name the same value on both sides), equal when
   |a - b| <= NUM_RTOL * max(1, |a|, |b|) at every point defined on both sides (at least 3). So 2\sqrt{33}+15
   matches 15+2\sqrt{33}, \frac{x}{7}+\frac{2}{7} matches \frac{x+2}{7}, and a rational within NUM_RTOL of an
   irrational would too (a decimal does not: 1.4142135623 is not \sqrt{2}, see `tolerance`).
 - `tolerance` (--reward_tolerance, 0 by default): > 0 lets numbers match within that relative error, so
-  0.0833333333333333 matches \frac{1}{12}.
+  1.4142135623730951 matches \sqrt{2} and (at 1e-3) 0.333 matches \frac{1}{3}.
 - tuples and intervals in order with the same brackets ("(3,4]" != "(3,4)"); sets, bare lists ("1,-2": MATH's
   "all solutions, separated by commas") and unions order-free; matrices element-wise.
 - relations (=, <, >, and <= >= != in ASCII, LaTeX (\le \leq \leqslant \ge \ne \lt \gt ...) or Unicode) side by
@@ -499,7 +502,7 @@ def _canonical_atom(s: str) -> str:
 # A normalised answer is tokenised (numbers, \commands, letter runs, single characters) and parsed by recursive
 # descent into a tree of tuples. Nothing is executed: the tree is walked by _exact (fractions.Fraction) and
 # _numeric (complex floats at seeded points), both of which only know the node kinds below.
-#   expressions  ("num", Fraction, written_as_decimal) ("const", "pi"|"e"|"i") ("var", name) ("inf",)
+#   expressions  ("num", Fraction, the decimal as written or False) ("const", "pi"|"e"|"i") ("var", name) ("inf",)
 #                ("add", [terms]) ("mul", [factors]) ("neg", x) ("inv", x) ("pow", base, exp)
 #                ("sqrt", x, index|None) ("fn", "\\sin", x) ("log", x, base|None) ("fact", x) ("abs", x)
 #   structures   ("seq", open, close, [items]) tuples and intervals, in order, brackets compared;
@@ -685,7 +688,7 @@ class _Parser:
             if toks[k + 4] == "{" and toks[k + 6] == "}" and num.isdigit() and den.isdigit() and int(den):
                 self.i = k + 7
                 return ("num", value + Fraction(int(num), int(den)), False)
-        return ("num", value, "." in t)
+        return ("num", value, t if "." in t else False)  # a decimal keeps its digits as written
 
     def subscript(self) -> str:  # x_1, a_{n+1}: part of the variable's name
         if self.peek() != "_":
@@ -832,7 +835,7 @@ def _free_vars(node: tuple) -> set:
 
 def _has_decimal(node: tuple) -> bool:
     if node[0] == "num":
-        return node[2]
+        return bool(node[2])
     return any(_has_decimal(c) for child in node[1:] for c in (child if isinstance(child, list) else [child])
                if isinstance(c, tuple))
 
@@ -984,18 +987,41 @@ def _inf_sign(node: tuple) -> int:
 
 
 def _fingerprint(node: tuple, budget: _Budget) -> tuple:
-    """What two expressions are compared by: (inf sign, exact value or None, has a decimal, values at the points)."""
+    """What two expressions are compared by: (inf sign, exact value or None, has a decimal, values at the points,
+    the digits of a lone decimal such as "0.0833333333333333" or -0.5 as written, else None)."""
     try:
         exact = _exact(node, budget)
     except (ZeroDivisionError, OverflowError, ValueError):
-        return (0, None, False, (None,) * NUM_POINTS)  # undefined (1/0): equal to nothing
+        return (0, None, False, (None,) * NUM_POINTS, None)  # undefined (1/0): equal to nothing
     values = []
     for k in range(NUM_POINTS):
         try:
             values.append(_numeric(node, k, budget))
         except (ZeroDivisionError, OverflowError, ValueError):
             values.append(None)
-    return (_inf_sign(node), exact, _has_decimal(node), tuple(values))
+    lone = node[1] if node[0] == "neg" else node
+    written = lone[2] if lone[0] == "num" and lone[2] else None
+    return (_inf_sign(node), exact, _has_decimal(node), tuple(values), written)
+
+
+# A decimal of at least this many significant digits matches an exact rational it is a print of: the rational
+# rounded or cut off at the decimal's last digit ("0.0833333333333333" is 1/12, "0.6666666666666666" and
+# "0.6666666667" are 2/3; "0.333333" and "0.33" are not 1/3). docs/answer_checking.md says why 10.
+FLOAT_PRINT_DIGITS = 10
+_MAX_PRINT_PLACES = 400  # longer decimals are compared exactly only (bounds the powers of ten below)
+
+
+def _float_print_of(written: str, value: Fraction, gold: Fraction) -> bool:
+    """True if the decimal `written` (value `value`, its sign included) has >= FLOAT_PRINT_DIGITS significant
+    digits and equals the exact `gold` rounded half away from zero, or cut off toward zero, at its last digit."""
+    whole, _, frac = written.partition(".")
+    if len((whole + frac).lstrip("0")) < FLOAT_PRINT_DIGITS or len(frac) > _MAX_PRINT_PLACES:
+        return False
+    if (value < 0) != (gold < 0) or gold == 0:
+        return False
+    scale = 10 ** len(frac)
+    printed, exact = abs(value) * scale, abs(gold) * scale  # printed is an integer
+    return printed in (math.floor(exact), math.floor(exact + Fraction(1, 2)))
 
 
 def _close(a, b, rtol: float) -> bool:
@@ -1006,8 +1032,12 @@ def _fingerprints_equal(fa: tuple, fb: tuple, tolerance: float) -> bool:
     if fa[0] or fb[0]:
         return fa[0] == fb[0]
     xa, xb = fa[1], fb[1]
-    if xa is not None and xb is not None:  # two rationals: exactly, or within the user's tolerance
-        return xa == xb if tolerance <= 0 else _close(xa, xb, tolerance)
+    if xa is not None and xb is not None:  # two rationals: exactly, or a float print of one, or within tolerance
+        if xa == xb or (fa[4] and not fb[2] and _float_print_of(fa[4], xa, xb)):
+            return True
+        if fb[4] and not fa[2] and _float_print_of(fb[4], xb, xa):
+            return True
+        return tolerance > 0 and _close(xa, xb, tolerance)
     # A decimal is an approximation: 1.4142135623 is not \sqrt{2} unless --reward_tolerance says so.
     if tolerance <= 0 and ((xa is not None and fa[2]) or (xb is not None and fb[2])):
         return False

@@ -871,6 +871,8 @@ def _exact(node: tuple, budget: _Budget) -> Fraction | None:
     budget.spend()
     kind = node[0]
     if kind == "num":
+        if node[2] and _small(node[1]) is None:
+            raise ValueError  # a decimal too long to hold exactly matches nothing (not its float rounding)
         return _small(node[1])
     if kind in ("add", "mul"):
         acc = Fraction(0 if kind == "add" else 1)

@@ -1,0 +1,82 @@
+"""Answer forms models write (#49) that tests/test_rewards.py's tables do not already hold, and the corpus of real
+model outputs with hand-checked verdicts (tests/data/answer_corpus.jsonl, docs/answer_checking.md).
+
+Every expectation here is written by hand from what the answer means, never copied from the checker's output.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import verifier
+from rewards import reward
+from verifier import answers_match
+
+CORPUS = Path(__file__).resolve().parent / "data" / "answer_corpus.jsonl"
+
+# ---------------------------------------------------------------- decimals standing for fractions
+#
+# The default (FLOAT_PRINT_DIGITS = 10): a decimal with at least 10 significant digits matches a rational that it
+# equals rounded (half away from zero) or cut off at its last digit. Fewer digits, a digit off, an irrational
+# gold, or a decimal gold: exact comparison only (--reward_tolerance for the rest).
+
+FLOAT_PRINTS_SAME = [
+    ("0.0833333333333333", "\\frac{1}{12}"),  # Python's float of 1/12 to 15 digits: cut off
+    ("0.08333333333333333", "\\frac{1}{12}"),  # repr(1/12)
+    ("0.08333333333", "\\frac{1}{12}"),  # 10 significant digits (the leading zeros do not count)
+    ("0.6666666666666666", "\\frac{2}{3}"),  # repr(2/3): cut off
+    ("0.6666666667", "\\frac23"),  # rounded at the 10th digit
+    ("-0.6666666666666666", "-\\frac{2}{3}"),
+    ("3.333333333", "\\frac{10}{3}"),
+    ("33333.33333", "\\frac{100000}{3}"),
+    ("0.1428571428571428", "\\frac{1}{7}"),
+    ("x = 0.3333333333", "\\frac13"),  # an assignment of the value
+    ("\\frac{1}{12}", "0.0833333333333333"),  # either way round
+    ("[0.3333333333333333, 0.6666666666666666]", "[\\frac13, \\frac23]"),  # element by element
+    ("\\begin{pmatrix} 0.3333333333 \\\\ 0.5 \\end{pmatrix}", "\\begin{pmatrix} \\frac13 \\\\ \\frac12 \\end{pmatrix}"),
+]
+
+FLOAT_PRINTS_DIFFER = [
+    ("0.333333", "\\frac13"),  # 6 digits: a hand rounding
+    ("0.33", "\\frac13"),
+    ("0.0833", "\\frac{1}{12}"),
+    ("0.666666667", "\\frac23"),  # 9 digits
+    ("0.0833333333", "\\frac{1}{12}"),  # 9 significant digits
+    ("0.0833333333333334", "\\frac{1}{12}"),  # the last digit off by one either way
+    ("0.0833333333333332", "\\frac{1}{12}"),
+    ("0.6666666666666665", "\\frac23"),
+    ("0.6666666666666666", "-\\frac23"),  # the sign
+    ("0.1250000001", "\\frac18"),  # 1/8 terminates: 0.1250000000 is its print, this is another number
+    ("0.30000000000000004", "0.3"),  # two decimals compare exactly
+    ("0.3333333333", "0.3333333334"),
+    ("1.4142135623730951", "\\sqrt2"),  # irrational golds are never matched by a decimal by default
+    ("3.141592653589793", "\\pi"),
+    ("0.0833333333333333", "\\frac{1}{13}"),
+    ("1000000.000", "1000001"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", FLOAT_PRINTS_SAME)
+def test_float_print_matches_its_fraction(pred, gold):
+    assert answers_match(pred, gold) is True
+    assert reward(f"<think>r</think> <answer>{pred}</answer>", gold)["correct"] == 1.0
+
+
+@pytest.mark.parametrize("pred,gold", FLOAT_PRINTS_DIFFER)
+def test_rounding_or_wrong_decimal_stays_apart(pred, gold):
+    assert answers_match(pred, gold) is False
+    assert answers_match(gold, pred) is False
+
+
+def test_float_print_digits_is_documented_value():
+    assert verifier.FLOAT_PRINT_DIGITS == 10  # docs/answer_checking.md explains the choice
+
+
+def test_float_print_is_bounded():
+    # _MAX_PRINT_PLACES bounds the powers of ten; a decimal too long to hold exactly (MAX_BITS) matches nothing,
+    # not even by its float value, so 0.33333333334 padded with zeros is not 1/3
+    assert answers_match("0." + "3" * 300, "\\frac13") is True
+    assert answers_match("0." + "3" * 500, "\\frac13") is False
+    assert answers_match("0.33333333334" + "0" * 900, "\\frac13") is False
+    assert answers_match("0." + "3" * 997, "\\frac13") is False

@@ -237,6 +237,23 @@ def _after_answer_word(s: str) -> int:
     return i
 
 
+def _drop_bold(s: str) -> str:
+    """Markdown bold markers ("**") out of s, except one between two operands ("2**3" stays: not bold)."""
+    if "**" not in s:
+        return s
+    out, i = [], 0
+    while i < len(s):
+        if s.startswith("**", i):
+            before, after = s[i - 1 : i], s[i + 2 : i + 3]
+            if before and after and (before.isalnum() or before in ")}") and (after.isalnum() or after in "({"):
+                out.append("**")
+            i += 2
+            continue
+        out.append(s[i])
+        i += 1
+    return "".join(out)
+
+
 def final_answer(s: str) -> str:
     r"""The final mathematical answer in s when s is a sentence; s itself when s has no prose words outside its
     math spans (an answer already written as mathematics is never cut: "x \geq 5", "72", "\text{Evelyn}").
@@ -246,7 +263,13 @@ def final_answer(s: str) -> str:
       2. else the number that ends the text after the last math span, before at most 4 words and with no other
          number before it there ("The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
       3. else the last math span ("Therefore $x \geq 5$ is the solution." -> "x \geq 5").
-    Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3)."""
+    Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3).
+    Before all that, GSM8K's answer marker: only what follows the last "####" counts ("... so 18 eggs.\n#### 18"
+    -> "18"), and Markdown bold goes ("**Answer:** 18", "The answer is **18**.": _drop_bold)."""
+    marker = s.rfind("####")
+    if marker >= 0:
+        s = s[marker + 4 :].strip()
+    s = _drop_bold(s)
     spans = _math_spans(s)
     if not _has_prose(_outside(s, spans)):
         return s

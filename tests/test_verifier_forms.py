@@ -4,7 +4,6 @@ model outputs with hand-checked verdicts (tests/data/answer_corpus.jsonl, docs/a
 Every expectation here is written by hand from what the answer means, never copied from the checker's output.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +79,33 @@ def test_float_print_is_bounded():
     assert answers_match("0." + "3" * 500, "\\frac13") is False
     assert answers_match("0.33333333334" + "0" * 900, "\\frac13") is False
     assert answers_match("0." + "3" * 997, "\\frac13") is False
+
+
+# ---------------------------------------------------------------- markers models write around the answer
+#
+# (answer block text, gold, numeric task, correct). SmolLM2-135M-Instruct answers GSM8K-style ("#### 18") and
+# writes Markdown bold; only what follows the last "####" counts, and "**" goes unless it sits between operands.
+
+MARKERS = [
+    ("#### 18", "18", True, True),
+    ("She sells 9 eggs for $2 each, so she makes 18 dollars.\n#### 18", "18", True, True),
+    ("She makes 18 dollars.\n#### 17", "18", True, False),  # the marked answer counts, not the sentence
+    ("#### 17", "18", True, False),
+    ("####", "18", True, False),
+    ("#### $1,080", "1080", True, True),
+    ("#### 82-18+20", "84", True, False),  # a numeric task still takes numbers only
+    ("**Answer:** 18", "18", True, True),
+    ("The answer is **18**.", "18", True, True),
+    ("The answer is **17**.", "18", True, False),
+    ("**Final Answer:** The final answer is $\\boxed{\\frac{3}{4}}$", "\\frac34", False, True),
+    ("The answer is **$x \\geq 5$**.", "x \\ge 5", False, True),
+    ("The answer is **$x \\geq 5$**.", "x > 5", False, False),
+    ("**18**", "18", True, True),
+    ("2**3", "23", False, False),  # "**" between operands is no bold marker: never read as "23"
+]
+
+
+@pytest.mark.parametrize("answer,gold,numeric,correct", MARKERS)
+def test_answer_markers(answer, gold, numeric, correct):
+    got = reward(f"<think>work</think> <answer>{answer}</answer>", gold, numeric=numeric)["correct"]
+    assert got == float(correct)

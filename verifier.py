@@ -9,7 +9,8 @@ in its input, never raises on any string, and never runs a regex that can backtr
 2. else the values of their trees (parse_answer: a bounded recursive-descent parser, no eval/exec/sympy).
 Normalisation: the last \boxed{}/\fbox{}; else, in a sentence, its final answer (final_answer: what follows
 "answer", a trailing number before unit words, the last math span: "Answer \[ 9 \]" -> 9, "The largest $n$ is
-34." -> 34, "It costs 5 euros" -> 5; only where there are prose words, so mathematics is never cut); \( \) \[ \]
+34." -> 34, "It costs 5 euros" -> 5; only where there are prose words, so mathematics is never cut; after GSM8K's
+"####" marker only what follows it; Markdown bold "**" dropped); \( \) \[ \]
 $ $$ \displaystyle \left \right dropped; \dfrac \tfrac \cfrac -> \frac; \text \textnormal \mbox \mathrm ...
 unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5); spacing (\! \, \;) and whitespace dropped, except one
 space between a command and a letter ("\cot x" is not "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit

@@ -263,7 +263,8 @@ def final_answer(s: str) -> str:
          that starts it ("The answer is 42, found in 3 steps" -> "42");
       2. else the number that ends the text after the last math span, before at most 4 words and with no other
          number before it there ("The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
-      3. else the last math span ("Therefore $x \geq 5$ is the solution." -> "x \geq 5").
+      3. else the last math span, if no number follows it ("Therefore $x \geq 5$ is the solution." -> "x \geq 5";
+         not "To convert $\frac{3}{20}$, multiply by 100. That gives 100, the decimal.").
     Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3).
     Before all that, GSM8K's answer marker: only what follows the last "####" counts ("... so 18 eggs.\n#### 18"
     -> "18"), and Markdown bold goes ("**Answer:** 18", "The answer is **18**.": _drop_bold)."""
@@ -289,7 +290,8 @@ def final_answer(s: str) -> str:
     number = _trailing_number(after)
     if number is not None:
         return number
-    if spans:
+    # a number after the last span ("$\frac{3}{20}$ ... results in 100, the decimal") means the span is no answer
+    if spans and not any(c.isdigit() for c in after):
         return s[spans[-1][2] : spans[-1][3]]
     return s
 

@@ -109,3 +109,25 @@ MARKERS = [
 def test_answer_markers(answer, gold, numeric, correct):
     got = reward(f"<think>work</think> <answer>{answer}</answer>", gold, numeric=numeric)["correct"]
     assert got == float(correct)
+
+
+# ---------------------------------------------------------------- the last math span is the answer only at the end
+#
+# Found in the corpus (test/prealgebra/572.json): the math span was the question's fraction, and the sentence
+# after it gives the model's (wrong) answer, 100. A number in the prose after the last span means the span is
+# not the final answer; the text is then compared as it is (and matches nothing).
+
+LAST_SPAN = [
+    ("To convert $\\frac{3}{20}$ to a decimal, you can multiply the fraction by 100. Multiplying a fraction by 100 "
+     "results in 100, which is the desired decimal.", "0.15", False),
+    ("To convert $\\frac{3}{20}$ to a decimal, you can multiply the fraction by 100. Multiplying a fraction by 100 "
+     "results in 100, which is the desired decimal.", "\\frac{3}{20}", False),
+    ("Therefore $x \\geq 5$ is the solution.", "x \\ge 5", True),
+    ("So the decimal is $0.15$, as required.", "0.15", True),
+    ("So the decimal is $0.15$ and we checked it 2 times.", "0.15", False),
+]
+
+
+@pytest.mark.parametrize("answer,gold,correct", LAST_SPAN)
+def test_last_math_span_only_when_nothing_numeric_follows(answer, gold, correct):
+    assert reward(f"<think>work</think> <answer>{answer}</answer>", gold)["correct"] == float(correct)

@@ -107,7 +107,7 @@ def last_boxed(s: str) -> str | None:
 _NUMBER_WORD = re.compile(r"[+-]?(?:\d+(?:[.,]\d+)*|\.\d+)(?:/\d+)?(?:\\?%)?")  # 34, -2.5, 1,000.99, 3/4, 50%
 _TRAILING_PUNCTUATION = ".,;:!?"
 _SHORT_WORDS = ("is", "so", "So", "it", "It", "we", "We")  # two-letter words; other letter pairs are products
-_MAX_WORDS_AFTER_NUMBER = 4  # "It costs 5 euros", "18 dollars per hour", "5 is the answer"
+_MAX_WORDS_AFTER_NUMBER = 8  # "It costs 5 euros", "18 dollars per hour", "60 instructions to prepare the two dishes"
 
 
 def _find_dollar(s: str, i: int, width: int) -> int:
@@ -189,34 +189,59 @@ def _is_word(w: str) -> bool:
     return len(w) >= 2 and w.isascii() and w.isalpha()
 
 
+# words after a number that make it part of a comparison, not the answer: "The answer is 5 more than the 12 ..."
+_COMPARING_WORDS = ("more", "less", "fewer", "times", "plus", "minus", "greater", "smaller", "larger", "than")
+
+
 def _leading_number(s: str) -> str | None:
     r"""The number that s starts with ("42, found in 3 steps" -> "42"), if punctuation, a word or nothing follows
-    it: not "3\sqrt{2}", "2x", "3 + x", "3 x"."""
+    it: not "3\sqrt{2}", "2x", "3 + x", "3 x", "5 more than 12"."""
     m = _NUMBER_WORD.match(s.lstrip("$"))
     if m is None:
         return None
     rest = s.lstrip("$")[m.end() :].lstrip()
-    if rest and rest[0] not in _TRAILING_PUNCTUATION and not _is_word(rest.split()[0].rstrip(_TRAILING_PUNCTUATION)):
+    word = rest.split()[0].rstrip(_TRAILING_PUNCTUATION) if rest else ""
+    if rest and rest[0] not in _TRAILING_PUNCTUATION and (not _is_word(word) or word.lower() in _COMPARING_WORDS):
         return None
     return m.group().rstrip(_TRAILING_PUNCTUATION)
 
 
 def _trailing_number(s: str) -> str | None:
     r"""The number that ends s, before at most _MAX_WORDS_AFTER_NUMBER words ("It costs 5 euros." -> "5",
-    "The largest is 34." -> "34"), if it is the only word of s with a digit in it and no operator comes just
-    before it; None if anything but words follows it ("3 \sqrt{2} inches"), another number comes before it
-    ("x = 1 and y = 2", "72 clips and 3") or it ends an expression ("y = x + 3 is the line")."""
-    words = s.split()
+    "The largest is 34." -> "34", "Therefore, Kelian has to read 60 instructions to prepare the two recipes." ->
+    "60"), if it is the only word with a digit in its sentence (from the last ".", "?", "!" or line break before
+    it) and no operator comes just before it; None if anything but words follows it ("3 \sqrt{2} inches"),
+    another number comes before it in its sentence ("x = 1 and y = 2", "72 clips and 3") or it ends an expression
+    ("y = x + 3 is the line"). "Jackson is 3 years. Jackson is 4 years." -> "4": the last sentence says it."""
+    words, line_ends = [], set()
+    for line in s.splitlines():
+        words += line.split()
+        line_ends.add(len(words) - 1)
     for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
         word = words[k].rstrip(_TRAILING_PUNCTUATION)
         number = word.lstrip("$").removeprefix("\\$")
         if _NUMBER_WORD.fullmatch(number):
-            if any(c.isdigit() for w in words[:k] for c in w):
+            start = k  # back to the first word of its sentence
+            while start > 0 and start - 1 not in line_ends:
+                end = words[start - 1].rstrip("\"')*")[-1:]
+                if end and end in ".?!":
+                    break
+                start -= 1
+            others = words[start:k]
+            if k - 1 > start and words[k - 1] == "=":  # "the total is 20 + 40 = 60": a computation's result
+                i = k - 2
+                while i >= start and not any(c.isalpha() for c in words[i].replace("\\times", "")):
+                    i -= 1
+                done = " ".join(_drop_thousands(w.replace("\\$", "").replace("$", "").replace("\\times", "*"))
+                                for w in words[i + 1 : k - 1])
+                if done and _chain_consistent([done, _drop_thousands(number)]):
+                    others = words[start : i + 1]  # its numbers are no other answer
+            if any(c.isdigit() for w in others for c in w):
                 return None
             if k and (words[k - 1][-1] in "+-*/^(" or words[k - 1] in _OPERATOR_WORDS):
                 return None
             return number
-        if not _is_word(word):
+        if not _is_word(word) or word.lower() in _COMPARING_WORDS:
             return None
     return None
 

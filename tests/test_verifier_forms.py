@@ -131,3 +131,35 @@ LAST_SPAN = [
 @pytest.mark.parametrize("answer,gold,correct", LAST_SPAN)
 def test_last_math_span_only_when_nothing_numeric_follows(answer, gold, correct):
     assert reward(f"<think>work</think> <answer>{answer}</answer>", gold)["correct"] == float(correct)
+
+
+# ---------------------------------------------------------------- the number that ends the last sentence
+#
+# (answer block text, gold, correct) on a numeric task. Found in the corpus (gsm8k/test/71, /92): the final
+# sentence holds the answer with more than 4 words after it, or earlier sentences hold other numbers. The number
+# must be the only one in its sentence, except the operands of a computation it is the result of.
+
+LAST_SENTENCE = [
+    ("Therefore, Kelian has to read 60 instructions to prepare the two recipes.", "60", True),
+    ("Therefore, Kelian has to read 60 instructions to prepare the two recipes.", "20", False),
+    ("The difference is 2 years. The age of Jackson is 3 years, and then 4 years. The age of Jackson is 4 years.",
+     "4", True),
+    ("The difference is 2 years. The age of Jackson is 4 years.", "2", False),
+    ("Jackson is 3 years.\nJackson is 4 years", "4", True),
+    ("So, the total number of instructions needed is 20 + 40 = 60 instructions.", "60", True),
+    ("The total is 2 \\times 20 = 40 dollars.", "40", True),
+    ("So 1,000 + 80 = 1,080 eggs.", "1080", True),
+    ("The total is 20 + 40 = 70 instructions.", "70", False),  # a wrong computation is no answer
+    ("The total is 20 + 40 = 70 instructions.", "60", False),
+    ("He has 3 cats, so 20 + 40 = 60.", "60", False),  # another number in the sentence
+    ("x = 1 and y = 2", "2", False),
+    ("It has 72 clips and 3", "3", False),
+    ("The answer is 5 more than the 12 we need for this.", "5", False),  # a comparison, not the answer
+    ("So Amy has 5 more apples than Tom.", "5", False),
+    ("So Brandon's iPhone is 4 times as old.", "4", False),
+]
+
+
+@pytest.mark.parametrize("answer,gold,correct", LAST_SENTENCE)
+def test_number_ending_the_last_sentence(answer, gold, correct):
+    assert reward(f"<think>work</think> <answer>{answer}</answer>", gold, numeric=True)["correct"] == float(correct)

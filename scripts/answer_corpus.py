@@ -7,7 +7,8 @@ checker with math-verify on it.
         --max_new_tokens 256 --out_dir runs/corpus_math
     python eval.py --model $D --task gsm8k --data_path ../shared/data/gsm8k --split "test[:150]" --template chat \
         --max_new_tokens 256 --out_dir runs/corpus_gsm8k
-    python scripts/answer_corpus.py build --math runs/corpus_math --gsm8k runs/corpus_gsm8k --out candidates.jsonl
+    python scripts/answer_corpus.py build --math runs/corpus_math --gsm8k runs/corpus_gsm8k --out candidates.jsonl \
+        --keep tests/data/answer_corpus.jsonl
     python scripts/answer_corpus.py compare --corpus tests/data/answer_corpus.jsonl
 
 build: for each completion, the text a checker is given is its last paragraph (after the last blank line; at most
@@ -15,7 +16,7 @@ MAX_TEXT_CHARS, whole lines from its end), as if the model had put it in the R1 
 verdict (rewards.reward on "<think>...</think> <answer>TEXT</answer>", with the task's `numeric`) and
 math-verify's (verify(parse("\boxed{GOLD}"), parse(TEXT)), its defaults: the way open-r1 scores a completion),
 and `verdict`: theirs where the two agree, None where they do not: those rows are read and decided by hand
-(`checked: "hand"` and a `note`) before the file goes to tests/data.
+(`checked: "hand"` and a `note`) before the file goes to tests/data; --keep carries those decisions over.
 compare: both checkers against the recorded verdicts: agreement, false accepts, false rejects, disagreements.
 """
 
@@ -61,26 +62,37 @@ def make_mathverify():
 
 def build(args):
     mv = make_mathverify()
+    hand = {}  # (id, text) -> the row, for rows already decided by hand (--keep): their verdict and note stay
+    if args.keep and Path(args.keep).exists():
+        for r in map(json.loads, Path(args.keep).read_text().splitlines()):
+            if r["checked"] == "hand":
+                hand[(r["id"], r["text"])] = r
     rows = []
-    for task, run, data in (("math500", args.math, "math500/test.jsonl"), ("gsm8k", args.gsm8k, "gsm8k/test.jsonl")):
-        if not run:
-            continue
+    runs = [("math500", r, "math500/test.jsonl") for r in args.math] + [("gsm8k", r, "gsm8k/test.jsonl")
+                                                                        for r in args.gsm8k]
+    for task, run, data in runs:
+        run, _, offset = run.partition("@")  # "runs/corpus_gsm8k_2@96": an eval of test[96:...]
         source_rows = [json.loads(x) for x in (Path(args.data) / data).read_text().splitlines() if x.strip()]
         for rec in map(json.loads, (Path(run) / "completions.jsonl").read_text().splitlines()):
+            rec["problem"] += int(offset or 0)
             text = answer_text(rec["response"])
             if not text:
                 continue
             numeric = task == "gsm8k"
             pid = source_rows[rec["problem"]].get("unique_id", f"gsm8k/test/{rec['problem']}")
             a, b = ours(text, rec["gold"], numeric), mv(text, rec["gold"])
-            rows.append({"id": pid, "task": task, "gold": rec["gold"], "numeric": numeric, "text": text,
-                         "ours": a, "math_verify": b, "verdict": a if a == b else None,
-                         "checked": "agree" if a == b else "hand", "note": "", "truncated": rec["truncated"],
-                         "source": SOURCE})
+            row = {"id": pid, "task": task, "gold": rec["gold"], "numeric": numeric, "text": text,
+                   "ours": a, "math_verify": b, "verdict": a if a == b else None,
+                   "checked": "agree" if a == b else "hand", "note": "", "truncated": rec["truncated"],
+                   "source": SOURCE}
+            if (pid, text) in hand:
+                row.update({k: hand[(pid, text)][k] for k in ("verdict", "checked", "note")})
+            rows.append(row)
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"{len(rows)} rows, {sum(r['verdict'] is None for r in rows)} disagreements to check by hand -> {args.out}")
+    print(f"{len(rows)} rows, {sum(a['ours'] != a['math_verify'] for a in rows)} disagreements, "
+          f"{sum(r['verdict'] is None for r in rows)} still to check by hand -> {args.out}")
 
 
 def compare(args):
@@ -116,10 +128,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
-    b.add_argument("--math", default="", help="eval.py --out_dir of the MATH-500 run")
-    b.add_argument("--gsm8k", default="", help="eval.py --out_dir of the GSM8K run")
+    b.add_argument("--math", nargs="*", default=[], help="eval.py --out_dir of MATH-500 runs (DIR@N: of test[N:])")
+    b.add_argument("--gsm8k", nargs="*", default=[], help="eval.py --out_dir of GSM8K runs (DIR@N: of test[N:])")
     b.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     b.add_argument("--out", default="candidates.jsonl")
+    b.add_argument("--keep", default="", help="a corpus whose hand-checked verdicts (and notes) carry over")
     c = sub.add_parser("compare")
     c.add_argument("--corpus", default=str(Path(__file__).resolve().parents[1] / "tests" / "data" /
                                            "answer_corpus.jsonl"))

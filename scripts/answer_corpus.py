@@ -14,9 +14,10 @@ checker with math-verify on it.
 build: for each completion, the text a checker is given is its last paragraph (after the last blank line; at most
 MAX_TEXT_CHARS, whole lines from its end), as if the model had put it in the R1 <answer> block. Each row gets our
 verdict (rewards.reward on "<think>...</think> <answer>TEXT</answer>", with the task's `numeric`) and
-math-verify's (verify(parse("\boxed{GOLD}"), parse(TEXT)), its defaults: the way open-r1 scores a completion),
-and `verdict`: theirs where the two agree, None where they do not: those rows are read and decided by hand
-(`checked: "hand"` and a `note`) before the file goes to tests/data; --keep carries those decisions over.
+math-verify's (verify(parse("\boxed{GOLD}"), parse(TEXT)), its defaults: the way open-r1 scores a completion;
+kept in the row as `math_verify`), and `verdict`: theirs where the two agree, None where they do not: those rows
+are read and decided by hand (`checked: "hand"` and a `note`) before the file goes to tests/data; --keep carries
+those decisions over.
 compare: both checkers against the recorded verdicts: agreement, false accepts, false rejects, disagreements.
 """
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
 
 MAX_TEXT_CHARS = 400
-SOURCE = "SmolLM2-135M-Instruct (get_model.py, Q4_1 dequantized), eval.py greedy, chat template, 256 new tokens"
+SOURCE = "smollm2-135m-instruct greedy chat 256"  # get_model.py's weights; eval.py --template chat --max_new_tokens 256
 
 
 def answer_text(response: str) -> str:
@@ -67,7 +68,7 @@ def build(args):
         for r in map(json.loads, Path(args.keep).read_text().splitlines()):
             if r["checked"] == "hand":
                 hand[(r["id"], r["text"])] = r
-    rows = []
+    rows, disagree = [], 0
     runs = [("math500", r, "math500/test.jsonl") for r in args.math] + [("gsm8k", r, "gsm8k/test.jsonl")
                                                                         for r in args.gsm8k]
     for task, run, data in runs:
@@ -81,8 +82,9 @@ def build(args):
             numeric = task == "gsm8k"
             pid = source_rows[rec["problem"]].get("unique_id", f"gsm8k/test/{rec['problem']}")
             a, b = ours(text, rec["gold"], numeric), mv(text, rec["gold"])
+            disagree += a != b
             row = {"id": pid, "task": task, "gold": rec["gold"], "numeric": numeric, "text": text,
-                   "ours": a, "math_verify": b, "verdict": a if a == b else None,
+                   "math_verify": b, "verdict": a if a == b else None,
                    "checked": "agree" if a == b else "hand", "note": "", "truncated": rec["truncated"],
                    "source": SOURCE}
             if (pid, text) in hand:
@@ -91,8 +93,8 @@ def build(args):
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"{len(rows)} rows, {sum(a['ours'] != a['math_verify'] for a in rows)} disagreements, "
-          f"{sum(r['verdict'] is None for r in rows)} still to check by hand -> {args.out}")
+    print(f"{len(rows)} rows, {disagree} disagreements, {sum(r['verdict'] is None for r in rows)} still to check "
+          f"by hand -> {args.out}")
 
 
 def compare(args):

@@ -4,6 +4,7 @@ model outputs with hand-checked verdicts (tests/data/answer_corpus.jsonl, docs/a
 Every expectation here is written by hand from what the answer means, never copied from the checker's output.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,45 @@ LAST_SENTENCE = [
 @pytest.mark.parametrize("answer,gold,correct", LAST_SENTENCE)
 def test_number_ending_the_last_sentence(answer, gold, correct):
     assert reward(f"<think>work</think> <answer>{answer}</answer>", gold, numeric=True)["correct"] == float(correct)
+
+
+# ---------------------------------------------------------------- the corpus of real model outputs
+#
+# 300 last paragraphs of SmolLM2-135M-Instruct's greedy answers (150 MATH-500, 150 GSM8K test problems), each
+# scored as the content of an R1 <answer> block. A row's verdict is math-verify's and ours where they agreed when
+# the corpus was built, and a reading by hand (checked == "hand", with a note) where they did not and where both
+# accepted (scripts/answer_corpus.py; docs/answer_checking.md). Where ours still differs from a hand verdict the
+# row is listed here, with why; the test fails if such a row starts to agree (then drop it from the list) or any
+# other row disagrees.
+
+KNOWN_DISAGREEMENTS = {
+    # "Simplify X" answered by repeating X: equal to the gold in value, but no answer. A value check cannot tell
+    # (it never sees the question); math-verify accepts both too.
+    "test/prealgebra/1302.json", "test/algebra/1519.json",
+}
+
+
+def _corpus():
+    return [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
+
+
+def test_corpus_is_what_the_docs_say():
+    rows = _corpus()
+    assert len(rows) == 300
+    assert sum(r["task"] == "math500" for r in rows) == 150 and sum(r["task"] == "gsm8k" for r in rows) == 150
+    assert all(isinstance(r["verdict"], bool) and r["checked"] in ("agree", "hand") for r in rows)
+    assert all(r["note"] for r in rows if r["checked"] == "hand")
+    hand = {r["id"] for r in rows if r["checked"] == "hand"}
+    assert len(hand) == 11 and KNOWN_DISAGREEMENTS <= hand
+    assert all(r["id"] in hand for r in rows if r["verdict"])  # every row judged right was read by hand
+
+
+def test_checker_agrees_with_the_corpus_verdicts():
+    rows = _corpus()
+    against = {}
+    for r in rows:
+        got = reward(f"<think>work</think> <answer>{r['text']}</answer>", r["gold"], numeric=r["numeric"])["correct"]
+        if got != float(r["verdict"]):
+            against[r["id"]] = got
+    assert set(against) == KNOWN_DISAGREEMENTS, against
+    assert all(v == 1.0 for v in against.values())  # the known ones are false accepts, nothing else

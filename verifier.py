@@ -182,6 +182,7 @@ def _has_prose(s: str) -> bool:
 
 
 _OPERATOR_WORDS = ("\\cdot", "\\times", "\\div", "\\pm")
+_CURRENCY = "$€£¥₹"  # signs around a number that go with it: "$18", "€12.50", "12.50 €"
 
 
 def _is_word(w: str) -> bool:
@@ -196,10 +197,10 @@ _COMPARING_WORDS = ("more", "less", "fewer", "times", "plus", "minus", "greater"
 def _leading_number(s: str) -> str | None:
     r"""The number that s starts with ("42, found in 3 steps" -> "42"), if punctuation, a word or nothing follows
     it: not "3\sqrt{2}", "2x", "3 + x", "3 x", "5 more than 12"."""
-    m = _NUMBER_WORD.match(s.lstrip("$"))
+    m = _NUMBER_WORD.match(s.lstrip(_CURRENCY))
     if m is None:
         return None
-    rest = s.lstrip("$")[m.end() :].lstrip()
+    rest = s.lstrip(_CURRENCY)[m.end() :].lstrip()
     word = rest.split()[0].rstrip(_TRAILING_PUNCTUATION) if rest else ""
     if rest and rest[0] not in _TRAILING_PUNCTUATION and (not _is_word(word) or word.lower() in _COMPARING_WORDS):
         return None
@@ -219,7 +220,7 @@ def _trailing_number(s: str) -> str | None:
         line_ends.add(len(words) - 1)
     for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
         word = words[k].rstrip(_TRAILING_PUNCTUATION)
-        number = word.lstrip("$").removeprefix("\\$")
+        number = word.removeprefix("\\$").strip(_CURRENCY)  # "$18", "\\$18", "€12.50", "12.50€"
         if _NUMBER_WORD.fullmatch(number):
             start = k  # back to the first word of its sentence
             while start > 0 and start - 1 not in line_ends:
@@ -241,7 +242,7 @@ def _trailing_number(s: str) -> str | None:
             if k and (words[k - 1][-1] in "+-*/^(" or words[k - 1] in _OPERATOR_WORDS):
                 return None
             return number
-        if not _is_word(word) or word.lower() in _COMPARING_WORDS:
+        if not (_is_word(word) or (word and not word.strip(_CURRENCY))) or word.lower() in _COMPARING_WORDS:
             return None
     return None
 
@@ -398,7 +399,8 @@ _DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+")  # "1000,99", "1,22", "0,111": one 
 _MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
 _UNIT_WORD = re.compile(r"[A-Za-z]{2,}\.?(?:\^\d|\^\{\d\})?")
 _SPACING = ("\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ", "~")
-_DROPPED = ("^{\\circ}", "^\\circ", "\\circ", "°", "\\%", "%", "\\$", "$", "\\displaystyle", "\\(", "\\)", "\\[", "\\]")
+_DROPPED = ("^{\\circ}", "^\\circ", "\\circ", "°", "\\%", "%", "\\$", "$", "€", "£", "¥", "₹", "\\displaystyle", "\\(",
+            "\\)", "\\[", "\\]")
 _TEXT_COMMANDS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\mbox", "\\mathrm", "\\mathbf", "\\operatorname",
                   "\\textnormal", "\\textsf", "\\texttt")
 

@@ -631,7 +631,8 @@ FRAGMENTS = ["<think>", "</think>", "<answer>", "</answer>", "{", "}", "\\boxed{
              "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "1.5", "\\text{ cm}", "{,}", "\x00", "9^{9^{9}}",
              # sentences, relation notation, chains, decimal commas (#49)
              "The answer is ", "Answer: ", "answer", " euros", " is ", "$$", "\\(", "\\)", "\\[", "\\]", "\\$",
-             ">=", "<=", "!=", "≥", "\\ne", "\\approx", "≈", "1,22", "0,111", "1,000.99", "x = "]
+             ">=", "<=", "!=", "≥", "\\ne", "\\approx", "≈", "1,22", "0,111", "1,000.99", "x = ",
+             "####", "**", "€", "£", " more ", ". ", "0.0833333333333333"]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 

@@ -206,3 +206,23 @@ def test_checker_agrees_with_the_corpus_verdicts():
             against[r["id"]] = got
     assert set(against) == KNOWN_DISAGREEMENTS, against
     assert all(v == 1.0 for v in against.values())  # the known ones are false accepts, nothing else
+
+
+# ---------------------------------------------------------------- currency signs besides the dollar
+# (answer block text, gold, correct) on a numeric task: € £ ¥ ₹ go with the number as $ does.
+
+CURRENCY = [
+    ("€12.50", "12.5", True),
+    ("12.50€", "12.5", True),
+    ("£3", "3", True),
+    ("The total is €12.50.", "12.5", True),
+    ("It costs 12.50 €.", "12.5", True),
+    ("The total is €12.50.", "12", False),
+    ("It costs 12.50 € and 3 €.", "3", False),  # two prices in the sentence: neither is the answer
+    ("¥100 in all", "1000", False),
+]
+
+
+@pytest.mark.parametrize("answer,gold,correct", CURRENCY)
+def test_currency_signs(answer, gold, correct):
+    assert reward(f"<think>work</think> <answer>{answer}</answer>", gold, numeric=True)["correct"] == float(correct)

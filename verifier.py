@@ -16,8 +16,9 @@ unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5); spacing (\! \, \;) an
 space between a command and a letter ("\cot x" is not "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit
 words go when what is left is a constant ("72 clips", "2\sqrt{2} cm"); "(C)" -> "C"; a chain from a variable
 keeps its answer when it is a computation ("x = 5+5+1 = 11" -> "x=11", the last member equal to an earlier one;
-"x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "=" alone wins over an approximation;
-"x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
+"x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "=" alone wins over an approximation, and
+answers_match tries the approximation too when it is that member's rounding, so 0.33 matches as well but
+"x = 1/3 \approx 0.5" never matches 0.5; "x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
 "10,\!080") only when the whole answer is that one number with no space after a comma: "32, 349" is the list
 32, 349 (a GSM8K model writes "32,349"; MATH lists are written with ", "). A decimal comma ("1000,99", "1,22",
 "0,111": a comma that cannot be a thousands separator) is read as a decimal point only in a prediction whose
@@ -454,9 +455,10 @@ def _ends_with_command(s: str) -> bool:
     return 0 < k < len(s) and s[k - 1] == "\\"
 
 
-def normalize(answer: str, decimal_comma: bool = False) -> str | None:
+def normalize(answer: str, decimal_comma: bool = False, rounded: bool = False) -> str | None:
     """Canonical, whitespace-free form of an answer string (LaTeX or plain); None if it is too long to check.
-    decimal_comma: read one number with a comma that is no thousands separator as a decimal ("1,22" -> "1.22")."""
+    decimal_comma: read one number with a comma that is no thousands separator as a decimal ("1,22" -> "1.22").
+    rounded: a chain with an approximation gives its rounded last member (_chain_answer)."""
     s = answer.strip()
     if len(s) > MAX_ANSWER_CHARS:
         return None
@@ -502,7 +504,7 @@ def normalize(answer: str, decimal_comma: bool = False) -> str | None:
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     if len(s) == 3 and s[0] == "(" and s[2] == ")" and s[1] in "ABCDE":  # multiple choice "(C)" -> "C"
         s = s[1]
-    return _chain_answer(s)
+    return _chain_answer(s, rounded)
 
 
 def _split_top(s: str) -> list[str]:
@@ -1233,12 +1235,14 @@ _VARIABLE = re.compile(r"[A-Za-z](?:_\w|_\{\w+\})?")  # x, a_1, a_{12} (Greek le
 _ORDER_RELATION = re.compile(r"[<>≤≥≠]|\\(?:le|ge|lt|gt|ne)")
 
 
-def _chain_answer(s: str) -> str:
+def _chain_answer(s: str, rounded: bool = False) -> str:
     """A chain that starts from a variable is an assignment of its answer: "x=5+5+1=11" -> "x=11"; with
     approximations the exact member wins: "x=1/3\\approx0.33" -> "x=1/3" (the last member reached from the
-    variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). Anything else
-    (one "=", no leading variable, an order relation, a list or an empty member in it, or exact members that
-    are no computation: _chain_consistent) is returned as it is."""
+    variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). rounded: the
+    last member instead, "x=0.33", if it is the exact member rounded or cut off at its last digit (_rounds,
+    for a gold that asks for a rounding); else the same as without. Anything else (one "=", no
+    leading variable, an order relation, a list or an empty member in it, or exact members that are no
+    computation: _chain_consistent) is returned as it is."""
     if "=" not in s and "\\approx" not in s and "≈" not in s:
         return s
     members, seps, depth, start, i = [], [], 0, 0, 0
@@ -1275,7 +1279,29 @@ def _chain_answer(s: str) -> str:
         exact += 1
     if exact >= 2 and not _chain_consistent(members[1 : exact + 1]):
         return s
+    if rounded and 0 < exact < len(seps) and _rounds(members[exact], members[-1]):
+        return members[0] + "=" + members[-1]
     return members[0] + "=" + members[exact if exact else -1]
+
+
+def _rounds(exact: str, approx: str) -> bool:
+    """True if `approx` is a decimal ("0.33", "1.57") that is the constant `exact` ("1/3", "\\frac{\\pi}{2}")
+    rounded or cut off at its last digit (within float precision), so "x = 1/3 \\approx 0.33" may answer 0.33,
+    but "x = 1/3 \\approx 0.5" never answers 0.5 nor "x = \\frac{\\pi}{2} \\approx 1.58" 1.58."""
+    if not _DECIMAL.fullmatch(approx.lstrip("-")) or "." not in approx or len(approx) > 40:
+        return False
+    try:
+        budget = _Budget()
+        value = _fingerprint(parse_answer(exact), budget)[3][0]
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return False
+    if value is None or value.imag != 0:
+        return False
+    unit, v, a = 10.0 ** -len(approx.partition(".")[2]), value.real, float(approx)
+    slack = 1e-9 * max(1.0, abs(v))
+    rounded = abs(v - a) <= unit / 2 + slack
+    cut_off = (v >= 0) == (a >= 0) and -slack <= abs(v) - abs(a) < unit + slack
+    return rounded or cut_off
 
 
 def _chain_consistent(members: list[str]) -> bool:
@@ -1311,7 +1337,23 @@ def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = 
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     b = normalize(gold)
-    a = normalize(pred, decimal_comma=bool(b) and to_number(b) is not None)  # "1000,99" against one number
+    comma = bool(b) and to_number(b) is not None  # "1000,99" against one number
+    a = normalize(pred, decimal_comma=comma)
+    if _normalized_match(a, b, tolerance, numeric):
+        return True
+    # "x = 1/3 \\approx 0.33": the exact member was compared; its rounding too, against a gold that is one
+    if a and b and ("\\approx" in pred or "≈" in pred):
+        rounded = normalize(pred, decimal_comma=comma, rounded=True)
+        if rounded != a and _normalized_match(rounded, b, tolerance, numeric):
+            return True
+    if a and b and ("\\approx" in gold or "≈" in gold):  # the same either way round
+        rounded = normalize(gold, rounded=True)
+        return rounded != b and _normalized_match(a, rounded, tolerance, numeric)
+    return False
+
+
+def _normalized_match(a: str | None, b: str | None, tolerance: float, numeric: bool) -> bool:
+    """answers_match on two normalised answers."""
     if not a or not b:
         return False
     a, b = _drop_assignment(a, b), _drop_assignment(b, a)

@@ -346,7 +346,10 @@ EQUIVALENT = [
     ("x \\geqslant 2", "x >= 2"),
     # both sides times -1 (the direction flips), and a chain of two
     ("-x > -1", "x < 1"), ("-x \\geq -5", "x \\leq 5"), ("-2 < -x < -1", "1 < x < 2"), ("-y \\ne 3", "y \\ne -3"),
-    # chains from a variable: the last member is the answer; with \\approx the exact member wins (#49)
+    # chains from a variable: the last member is the answer; with \\approx the exact member, and its rounding
+    # against a rounded gold (#49)
+    ("x = 1/3 \\approx 0.33", "0.33"), ("\\theta = \\frac{\\pi}{2} \\approx 1.57", "1.57"),
+    ("x = \\frac23 \\approx 0.66", "0.66"),
     ("x = 5+5+1 = 11", "11"), ("x = 5+5+1 = 11", "x = 11"), ("x = 5 + 6 = 7 + 4 = 11", "11"), ("x \\approx 11", "11"),
     ("x = 5+5+1 = 7 = 11", "11"), ("x = 2/6 = 1/3 \\approx 0.33", "\\frac13"),
     ("x ≈ 11", "11"), ("x = 1/3 \\approx 0.33", "1/3"), ("x = \\frac{1}{3} \\approx 0.333", "\\frac13"),
@@ -393,8 +396,11 @@ DIFFERENT = [
     ("a != b", "a = b"), ("x >= 5", "x <= 5"), ("x >= 5", "(5, \\infty)"), ("x \\gt 3", "x \\ge 3"),
     ("-x > -1", "x > 1"), ("-x > -1", "x > -1"), ("-x < 1", "x < -1"), ("-2 < -x < -1", "-2 < x < -1"),
     ("-2x < 4", "x < -2"), ("2x < 4", "x > 2"),
-    # chains: the last member counts, and the exact member over the approximation
-    ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.33", "0.33"),
+    # chains: the last member counts; an approximation answers a rounded gold only if it is the exact member's
+    # rounding or cut-off (#49)
+    ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.5", "0.5"),
+    ("x = 1/3 \\approx 0.33", "0.34"), ("\\theta = \\frac{\\pi}{2} \\approx 1.58", "1.58"),
+    ("x = 2/3 \\approx 0.65", "0.65"),
     ("x = 5+5+1 = 11", "y = 11"), ("x \\approx 0.33", "\\frac13"),
     ("x = 1 \\quad y = 2", "2"), ("x = 1, y = 2 = 2", "2"), ("x = y = 5", "5"), ("x = 2y + 1 = 7", "7"),
     # equations: a different constant, a different slope, a power, or no variable at all

@@ -288,8 +288,9 @@ def final_answer(s: str) -> str:
       1. what follows the last "answer" ("The answer is 42." -> "42", "Answer \[ 9 \]" -> "9"): a math span that
          starts it, all of it if it has no prose or no space ("The answer is x^2+1." -> "x^2+1"), or a number
          that starts it ("The answer is 42, found in 3 steps" -> "42");
-      2. else the number that ends the text after the last math span, before at most 4 words and with no other
-         number before it there ("The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
+      2. else the number that ends the text after the last math span, before at most 8 words and with no other
+         number before it in its sentence but the operands of a computation it is the result of (_trailing_number:
+         "The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18", "20 + 40 = 60 cups" -> "60");
       3. else the last math span, if no number follows it ("Therefore $x \geq 5$ is the solution." -> "x \geq 5";
          not "To convert $\frac{3}{20}$, multiply by 100. That gives 100, the decimal.").
     Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3).
@@ -1291,8 +1292,10 @@ def _rounds(exact: str, approx: str) -> bool:
     if not _DECIMAL.fullmatch(approx.lstrip("-")) or "." not in approx or len(approx) > 40:
         return False
     try:
-        budget = _Budget()
-        value = _fingerprint(parse_answer(exact), budget)[3][0]
+        node = parse_answer(exact)
+        if _free_vars(node):
+            return False  # "y + 1 \approx 2.5": no constant to round
+        value = _fingerprint(node, _Budget())[3][0]
     except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
         return False
     if value is None or value.imag != 0:

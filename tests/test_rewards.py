@@ -400,7 +400,7 @@ DIFFERENT = [
     # rounding or cut-off (#49)
     ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.5", "0.5"),
     ("x = 1/3 \\approx 0.33", "0.34"), ("\\theta = \\frac{\\pi}{2} \\approx 1.58", "1.58"),
-    ("x = 2/3 \\approx 0.65", "0.65"),
+    ("x = 2/3 \\approx 0.65", "0.65"), ("x = y + 1 \\approx 2.5", "2.5"),
     ("x = 5+5+1 = 11", "y = 11"), ("x \\approx 0.33", "\\frac13"),
     ("x = 1 \\quad y = 2", "2"), ("x = 1, y = 2 = 2", "2"), ("x = y = 5", "5"), ("x = 2y + 1 = 7", "7"),
     # equations: a different constant, a different slope, a power, or no variable at all

@@ -9,14 +9,16 @@ in its input, never raises on any string, and never runs a regex that can backtr
 2. else the values of their trees (parse_answer: a bounded recursive-descent parser, no eval/exec/sympy).
 Normalisation: the last \boxed{}/\fbox{}; else, in a sentence, its final answer (final_answer: what follows
 "answer", a trailing number before unit words, the last math span: "Answer \[ 9 \]" -> 9, "The largest $n$ is
-34." -> 34, "It costs 5 euros" -> 5; only where there are prose words, so mathematics is never cut); \( \) \[ \]
+34." -> 34, "It costs 5 euros" -> 5; only where there are prose words, so mathematics is never cut; after GSM8K's
+"####" marker only what follows it; Markdown bold "**" dropped); \( \) \[ \]
 $ $$ \displaystyle \left \right dropped; \dfrac \tfrac \cfrac -> \frac; \text \textnormal \mbox \mathrm ...
 unwrapped; ^\circ, %, $ dropped (50% matches 50, not 0.5); spacing (\! \, \;) and whitespace dropped, except one
 space between a command and a letter ("\cot x" is not "\cotx"); \sqrt2 -> \sqrt{2}; up to three trailing unit
 words go when what is left is a constant ("72 clips", "2\sqrt{2} cm"); "(C)" -> "C"; a chain from a variable
 keeps its answer when it is a computation ("x = 5+5+1 = 11" -> "x=11", the last member equal to an earlier one;
-"x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "=" alone wins over an approximation;
-"x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
+"x = 1/3 \approx 0.33" -> "x=1/3": the member reached through "=" alone wins over an approximation, and
+answers_match tries the approximation too when it is that member's rounding, so 0.33 matches as well but
+"x = 1/3 \approx 0.5" never matches 0.5; "x \approx 11" -> "x=11"). Thousands separators ("1,000", "1,000.99",
 "10,\!080") only when the whole answer is that one number with no space after a comma: "32, 349" is the list
 32, 349 (a GSM8K model writes "32,349"; MATH lists are written with ", "). A decimal comma ("1000,99", "1,22",
 "0,111": a comma that cannot be a thousands separator) is read as a decimal point only in a prediction whose
@@ -24,14 +26,17 @@ gold is one number (a list could never equal it); against a list gold ("-2,1") i
 is always one thousand, never 1.000.
 Values (see the grammar section below for the tree and its bounds):
 - rationals exactly (fractions.Fraction), exact roots included (\sqrt{4} = 2, 8^{2/3} = 4); two rationals never
-  match approximately unless `tolerance` > 0.
+  match approximately unless `tolerance` > 0, with one exception: a decimal of >= FLOAT_PRINT_DIGITS (10)
+  significant digits is a print of a rational that it equals rounded or cut off at its last digit
+  ("0.0833333333333333" and "0.0833333333" are \frac{1}{12}; "0.0833", "0.333333" are not; "0.1250000001" is not
+  \frac18; an irrational gold is never matched by a decimal this way).
 - anything with radicals, pi, e, i, functions or variables: evaluated in complex floats at NUM_POINTS seeded
   points (each variable in [0.5, 2.5), the same name the same value on both sides), equal when
   |a - b| <= NUM_RTOL * max(1, |a|, |b|) at every point defined on both sides (at least 3). So 2\sqrt{33}+15
   matches 15+2\sqrt{33}, \frac{x}{7}+\frac{2}{7} matches \frac{x+2}{7}, and a rational within NUM_RTOL of an
   irrational would too (a decimal does not: 1.4142135623 is not \sqrt{2}, see `tolerance`).
 - `tolerance` (--reward_tolerance, 0 by default): > 0 lets numbers match within that relative error, so
-  0.0833333333333333 matches \frac{1}{12}.
+  1.4142135623730951 matches \sqrt{2} and (at 1e-3) 0.333 matches \frac{1}{3}.
 - tuples and intervals in order with the same brackets ("(3,4]" != "(3,4)"); sets, bare lists ("1,-2": MATH's
   "all solutions, separated by commas") and unions order-free; matrices element-wise.
 - relations (=, <, >, and <= >= != in ASCII, LaTeX (\le \leq \leqslant \ge \ne \lt \gt ...) or Unicode) side by
@@ -103,7 +108,7 @@ def last_boxed(s: str) -> str | None:
 _NUMBER_WORD = re.compile(r"[+-]?(?:\d+(?:[.,]\d+)*|\.\d+)(?:/\d+)?(?:\\?%)?")  # 34, -2.5, 1,000.99, 3/4, 50%
 _TRAILING_PUNCTUATION = ".,;:!?"
 _SHORT_WORDS = ("is", "so", "So", "it", "It", "we", "We")  # two-letter words; other letter pairs are products
-_MAX_WORDS_AFTER_NUMBER = 4  # "It costs 5 euros", "18 dollars per hour", "5 is the answer"
+_MAX_WORDS_AFTER_NUMBER = 8  # "It costs 5 euros", "18 dollars per hour", "60 instructions to prepare the two dishes"
 
 
 def _find_dollar(s: str, i: int, width: int) -> int:
@@ -178,6 +183,7 @@ def _has_prose(s: str) -> bool:
 
 
 _OPERATOR_WORDS = ("\\cdot", "\\times", "\\div", "\\pm")
+_CURRENCY = "$€£¥₹"  # signs around a number that go with it: "$18", "€12.50", "12.50 €"
 
 
 def _is_word(w: str) -> bool:
@@ -185,34 +191,59 @@ def _is_word(w: str) -> bool:
     return len(w) >= 2 and w.isascii() and w.isalpha()
 
 
+# words after a number that make it part of a comparison, not the answer: "The answer is 5 more than the 12 ..."
+_COMPARING_WORDS = ("more", "less", "fewer", "times", "plus", "minus", "greater", "smaller", "larger", "than")
+
+
 def _leading_number(s: str) -> str | None:
     r"""The number that s starts with ("42, found in 3 steps" -> "42"), if punctuation, a word or nothing follows
-    it: not "3\sqrt{2}", "2x", "3 + x", "3 x"."""
-    m = _NUMBER_WORD.match(s.lstrip("$"))
+    it: not "3\sqrt{2}", "2x", "3 + x", "3 x", "5 more than 12"."""
+    m = _NUMBER_WORD.match(s.lstrip(_CURRENCY))
     if m is None:
         return None
-    rest = s.lstrip("$")[m.end() :].lstrip()
-    if rest and rest[0] not in _TRAILING_PUNCTUATION and not _is_word(rest.split()[0].rstrip(_TRAILING_PUNCTUATION)):
+    rest = s.lstrip(_CURRENCY)[m.end() :].lstrip()
+    word = rest.split()[0].rstrip(_TRAILING_PUNCTUATION) if rest else ""
+    if rest and rest[0] not in _TRAILING_PUNCTUATION and (not _is_word(word) or word.lower() in _COMPARING_WORDS):
         return None
     return m.group().rstrip(_TRAILING_PUNCTUATION)
 
 
 def _trailing_number(s: str) -> str | None:
     r"""The number that ends s, before at most _MAX_WORDS_AFTER_NUMBER words ("It costs 5 euros." -> "5",
-    "The largest is 34." -> "34"), if it is the only word of s with a digit in it and no operator comes just
-    before it; None if anything but words follows it ("3 \sqrt{2} inches"), another number comes before it
-    ("x = 1 and y = 2", "72 clips and 3") or it ends an expression ("y = x + 3 is the line")."""
-    words = s.split()
+    "The largest is 34." -> "34", "Therefore, Kelian has to read 60 instructions to prepare the two recipes." ->
+    "60"), if it is the only word with a digit in its sentence (from the last ".", "?", "!" or line break before
+    it) and no operator comes just before it; None if anything but words follows it ("3 \sqrt{2} inches"),
+    another number comes before it in its sentence ("x = 1 and y = 2", "72 clips and 3") or it ends an expression
+    ("y = x + 3 is the line"). "Jackson is 3 years. Jackson is 4 years." -> "4": the last sentence says it."""
+    words, line_ends = [], set()
+    for line in s.splitlines():
+        words += line.split()
+        line_ends.add(len(words) - 1)
     for k in range(len(words) - 1, max(-1, len(words) - 2 - _MAX_WORDS_AFTER_NUMBER), -1):
         word = words[k].rstrip(_TRAILING_PUNCTUATION)
-        number = word.lstrip("$").removeprefix("\\$")
+        number = word.removeprefix("\\$").strip(_CURRENCY)  # "$18", "\\$18", "€12.50", "12.50€"
         if _NUMBER_WORD.fullmatch(number):
-            if any(c.isdigit() for w in words[:k] for c in w):
+            start = k  # back to the first word of its sentence
+            while start > 0 and start - 1 not in line_ends:
+                end = words[start - 1].rstrip("\"')*")[-1:]
+                if end and end in ".?!":
+                    break
+                start -= 1
+            others = words[start:k]
+            if k - 1 > start and words[k - 1] == "=":  # "the total is 20 + 40 = 60": a computation's result
+                i = k - 2
+                while i >= start and not any(c.isalpha() for c in words[i].replace("\\times", "")):
+                    i -= 1
+                done = " ".join(_drop_thousands(w.replace("\\$", "").replace("$", "").replace("\\times", "*"))
+                                for w in words[i + 1 : k - 1])
+                if done and _chain_consistent([done, _drop_thousands(number)]):
+                    others = words[start : i + 1]  # its numbers are no other answer
+            if any(c.isdigit() for w in others for c in w):
                 return None
             if k and (words[k - 1][-1] in "+-*/^(" or words[k - 1] in _OPERATOR_WORDS):
                 return None
             return number
-        if not _is_word(word):
+        if not (_is_word(word) or (word and not word.strip(_CURRENCY))) or word.lower() in _COMPARING_WORDS:
             return None
     return None
 
@@ -234,16 +265,41 @@ def _after_answer_word(s: str) -> int:
     return i
 
 
+def _drop_bold(s: str) -> str:
+    """Markdown bold markers ("**") out of s, except one between two operands ("2**3" stays: not bold)."""
+    if "**" not in s:
+        return s
+    out, i = [], 0
+    while i < len(s):
+        if s.startswith("**", i):
+            before, after = s[i - 1 : i], s[i + 2 : i + 3]
+            if before and after and (before.isalnum() or before in ")}") and (after.isalnum() or after in "({"):
+                out.append("**")
+            i += 2
+            continue
+        out.append(s[i])
+        i += 1
+    return "".join(out)
+
+
 def final_answer(s: str) -> str:
     r"""The final mathematical answer in s when s is a sentence; s itself when s has no prose words outside its
     math spans (an answer already written as mathematics is never cut: "x \geq 5", "72", "\text{Evelyn}").
       1. what follows the last "answer" ("The answer is 42." -> "42", "Answer \[ 9 \]" -> "9"): a math span that
          starts it, all of it if it has no prose or no space ("The answer is x^2+1." -> "x^2+1"), or a number
          that starts it ("The answer is 42, found in 3 steps" -> "42");
-      2. else the number that ends the text after the last math span, before at most 4 words and with no other
-         number before it there ("The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18");
-      3. else the last math span ("Therefore $x \geq 5$ is the solution." -> "x \geq 5").
-    Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3)."""
+      2. else the number that ends the text after the last math span, before at most 8 words and with no other
+         number before it in its sentence but the operands of a computation it is the result of (_trailing_number:
+         "The largest $n$ is 34." -> "34", "It costs 5 euros" -> "5", "18 USD" -> "18", "20 + 40 = 60 cups" -> "60");
+      3. else the last math span, if no number follows it ("Therefore $x \geq 5$ is the solution." -> "x \geq 5";
+         not "To convert $\frac{3}{20}$, multiply by 100. That gives 100, the decimal.").
+    Nothing found: s, unchanged (compared as it is, so "72 clips and 3" equals neither 72 nor 3).
+    Before all that, GSM8K's answer marker: only what follows the last "####" counts ("... so 18 eggs.\n#### 18"
+    -> "18"), and Markdown bold goes ("**Answer:** 18", "The answer is **18**.": _drop_bold)."""
+    marker = s.rfind("####")
+    if marker >= 0:
+        s = s[marker + 4 :].strip()
+    s = _drop_bold(s)
     spans = _math_spans(s)
     if not _has_prose(_outside(s, spans)):
         return s
@@ -262,7 +318,8 @@ def final_answer(s: str) -> str:
     number = _trailing_number(after)
     if number is not None:
         return number
-    if spans:
+    # a number after the last span ("$\frac{3}{20}$ ... results in 100, the decimal") means the span is no answer
+    if spans and not any(c.isdigit() for c in after):
         return s[spans[-1][2] : spans[-1][3]]
     return s
 
@@ -344,7 +401,8 @@ _DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+")  # "1000,99", "1,22", "0,111": one 
 _MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
 _UNIT_WORD = re.compile(r"[A-Za-z]{2,}\.?(?:\^\d|\^\{\d\})?")
 _SPACING = ("\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ", "~")
-_DROPPED = ("^{\\circ}", "^\\circ", "\\circ", "°", "\\%", "%", "\\$", "$", "\\displaystyle", "\\(", "\\)", "\\[", "\\]")
+_DROPPED = ("^{\\circ}", "^\\circ", "\\circ", "°", "\\%", "%", "\\$", "$", "€", "£", "¥", "₹", "\\displaystyle", "\\(",
+            "\\)", "\\[", "\\]")
 _TEXT_COMMANDS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\mbox", "\\mathrm", "\\mathbf", "\\operatorname",
                   "\\textnormal", "\\textsf", "\\texttt")
 
@@ -398,9 +456,10 @@ def _ends_with_command(s: str) -> bool:
     return 0 < k < len(s) and s[k - 1] == "\\"
 
 
-def normalize(answer: str, decimal_comma: bool = False) -> str | None:
+def normalize(answer: str, decimal_comma: bool = False, rounded: bool = False) -> str | None:
     """Canonical, whitespace-free form of an answer string (LaTeX or plain); None if it is too long to check.
-    decimal_comma: read one number with a comma that is no thousands separator as a decimal ("1,22" -> "1.22")."""
+    decimal_comma: read one number with a comma that is no thousands separator as a decimal ("1,22" -> "1.22").
+    rounded: a chain with an approximation gives its rounded last member (_chain_answer)."""
     s = answer.strip()
     if len(s) > MAX_ANSWER_CHARS:
         return None
@@ -446,7 +505,7 @@ def normalize(answer: str, decimal_comma: bool = False) -> str | None:
     s = re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)  # x^{2} -> x^2, 4210_{5} -> 4210_5
     if len(s) == 3 and s[0] == "(" and s[2] == ")" and s[1] in "ABCDE":  # multiple choice "(C)" -> "C"
         s = s[1]
-    return _chain_answer(s)
+    return _chain_answer(s, rounded)
 
 
 def _split_top(s: str) -> list[str]:
@@ -499,7 +558,7 @@ def _canonical_atom(s: str) -> str:
 # A normalised answer is tokenised (numbers, \commands, letter runs, single characters) and parsed by recursive
 # descent into a tree of tuples. Nothing is executed: the tree is walked by _exact (fractions.Fraction) and
 # _numeric (complex floats at seeded points), both of which only know the node kinds below.
-#   expressions  ("num", Fraction, written_as_decimal) ("const", "pi"|"e"|"i") ("var", name) ("inf",)
+#   expressions  ("num", Fraction, the decimal as written or False) ("const", "pi"|"e"|"i") ("var", name) ("inf",)
 #                ("add", [terms]) ("mul", [factors]) ("neg", x) ("inv", x) ("pow", base, exp)
 #                ("sqrt", x, index|None) ("fn", "\\sin", x) ("log", x, base|None) ("fact", x) ("abs", x)
 #   structures   ("seq", open, close, [items]) tuples and intervals, in order, brackets compared;
@@ -685,7 +744,7 @@ class _Parser:
             if toks[k + 4] == "{" and toks[k + 6] == "}" and num.isdigit() and den.isdigit() and int(den):
                 self.i = k + 7
                 return ("num", value + Fraction(int(num), int(den)), False)
-        return ("num", value, "." in t)
+        return ("num", value, t if "." in t else False)  # a decimal keeps its digits as written
 
     def subscript(self) -> str:  # x_1, a_{n+1}: part of the variable's name
         if self.peek() != "_":
@@ -832,7 +891,7 @@ def _free_vars(node: tuple) -> set:
 
 def _has_decimal(node: tuple) -> bool:
     if node[0] == "num":
-        return node[2]
+        return bool(node[2])
     return any(_has_decimal(c) for child in node[1:] for c in (child if isinstance(child, list) else [child])
                if isinstance(c, tuple))
 
@@ -868,6 +927,8 @@ def _exact(node: tuple, budget: _Budget) -> Fraction | None:
     budget.spend()
     kind = node[0]
     if kind == "num":
+        if node[2] and _small(node[1]) is None:
+            raise ValueError  # a decimal too long to hold exactly matches nothing (not its float rounding)
         return _small(node[1])
     if kind in ("add", "mul"):
         acc = Fraction(0 if kind == "add" else 1)
@@ -984,18 +1045,41 @@ def _inf_sign(node: tuple) -> int:
 
 
 def _fingerprint(node: tuple, budget: _Budget) -> tuple:
-    """What two expressions are compared by: (inf sign, exact value or None, has a decimal, values at the points)."""
+    """What two expressions are compared by: (inf sign, exact value or None, has a decimal, values at the points,
+    the digits of a lone decimal such as "0.0833333333333333" or -0.5 as written, else None)."""
     try:
         exact = _exact(node, budget)
     except (ZeroDivisionError, OverflowError, ValueError):
-        return (0, None, False, (None,) * NUM_POINTS)  # undefined (1/0): equal to nothing
+        return (0, None, False, (None,) * NUM_POINTS, None)  # undefined (1/0): equal to nothing
     values = []
     for k in range(NUM_POINTS):
         try:
             values.append(_numeric(node, k, budget))
         except (ZeroDivisionError, OverflowError, ValueError):
             values.append(None)
-    return (_inf_sign(node), exact, _has_decimal(node), tuple(values))
+    lone = node[1] if node[0] == "neg" else node
+    written = lone[2] if lone[0] == "num" and lone[2] else None
+    return (_inf_sign(node), exact, _has_decimal(node), tuple(values), written)
+
+
+# A decimal of at least this many significant digits matches an exact rational it is a print of: the rational
+# rounded or cut off at the decimal's last digit ("0.0833333333333333" is 1/12, "0.6666666666666666" and
+# "0.6666666667" are 2/3; "0.333333" and "0.33" are not 1/3). docs/answer_checking.md says why 10.
+FLOAT_PRINT_DIGITS = 10
+_MAX_PRINT_PLACES = 400  # longer decimals are compared exactly only (bounds the powers of ten below)
+
+
+def _float_print_of(written: str, value: Fraction, gold: Fraction) -> bool:
+    """True if the decimal `written` (value `value`, its sign included) has >= FLOAT_PRINT_DIGITS significant
+    digits and equals the exact `gold` rounded half away from zero, or cut off toward zero, at its last digit."""
+    whole, _, frac = written.partition(".")
+    if len((whole + frac).lstrip("0")) < FLOAT_PRINT_DIGITS or len(frac) > _MAX_PRINT_PLACES:
+        return False
+    if (value < 0) != (gold < 0) or gold == 0:
+        return False
+    scale = 10 ** len(frac)
+    printed, exact = abs(value) * scale, abs(gold) * scale  # printed is an integer
+    return printed in (math.floor(exact), math.floor(exact + Fraction(1, 2)))
 
 
 def _close(a, b, rtol: float) -> bool:
@@ -1006,8 +1090,12 @@ def _fingerprints_equal(fa: tuple, fb: tuple, tolerance: float) -> bool:
     if fa[0] or fb[0]:
         return fa[0] == fb[0]
     xa, xb = fa[1], fb[1]
-    if xa is not None and xb is not None:  # two rationals: exactly, or within the user's tolerance
-        return xa == xb if tolerance <= 0 else _close(xa, xb, tolerance)
+    if xa is not None and xb is not None:  # two rationals: exactly, or a float print of one, or within tolerance
+        if xa == xb or (fa[4] and not fb[2] and _float_print_of(fa[4], xa, xb)):
+            return True
+        if fb[4] and not fa[2] and _float_print_of(fb[4], xb, xa):
+            return True
+        return tolerance > 0 and _close(xa, xb, tolerance)
     # A decimal is an approximation: 1.4142135623 is not \sqrt{2} unless --reward_tolerance says so.
     if tolerance <= 0 and ((xa is not None and fa[2]) or (xb is not None and fb[2])):
         return False
@@ -1148,12 +1236,14 @@ _VARIABLE = re.compile(r"[A-Za-z](?:_\w|_\{\w+\})?")  # x, a_1, a_{12} (Greek le
 _ORDER_RELATION = re.compile(r"[<>≤≥≠]|\\(?:le|ge|lt|gt|ne)")
 
 
-def _chain_answer(s: str) -> str:
+def _chain_answer(s: str, rounded: bool = False) -> str:
     """A chain that starts from a variable is an assignment of its answer: "x=5+5+1=11" -> "x=11"; with
     approximations the exact member wins: "x=1/3\\approx0.33" -> "x=1/3" (the last member reached from the
-    variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). Anything else
-    (one "=", no leading variable, an order relation, a list or an empty member in it, or exact members that
-    are no computation: _chain_consistent) is returned as it is."""
+    variable through "=" alone), and "x\\approx11" -> "x=11" (nothing exact: the last member). rounded: the
+    last member instead, "x=0.33", if it is the exact member rounded or cut off at its last digit (_rounds,
+    for a gold that asks for a rounding); else the same as without. Anything else (one "=", no
+    leading variable, an order relation, a list or an empty member in it, or exact members that are no
+    computation: _chain_consistent) is returned as it is."""
     if "=" not in s and "\\approx" not in s and "≈" not in s:
         return s
     members, seps, depth, start, i = [], [], 0, 0, 0
@@ -1190,7 +1280,31 @@ def _chain_answer(s: str) -> str:
         exact += 1
     if exact >= 2 and not _chain_consistent(members[1 : exact + 1]):
         return s
+    if rounded and 0 < exact < len(seps) and _rounds(members[exact], members[-1]):
+        return members[0] + "=" + members[-1]
     return members[0] + "=" + members[exact if exact else -1]
+
+
+def _rounds(exact: str, approx: str) -> bool:
+    """True if `approx` is a decimal ("0.33", "1.57") that is the constant `exact` ("1/3", "\\frac{\\pi}{2}")
+    rounded or cut off at its last digit (within float precision), so "x = 1/3 \\approx 0.33" may answer 0.33,
+    but "x = 1/3 \\approx 0.5" never answers 0.5 nor "x = \\frac{\\pi}{2} \\approx 1.58" 1.58."""
+    if not _DECIMAL.fullmatch(approx.lstrip("-")) or "." not in approx or len(approx) > 40:
+        return False
+    try:
+        node = parse_answer(exact)
+        if _free_vars(node):
+            return False  # "y + 1 \approx 2.5": no constant to round
+        value = _fingerprint(node, _Budget())[3][0]
+    except (_Fail, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return False
+    if value is None or value.imag != 0:
+        return False
+    unit, v, a = 10.0 ** -len(approx.partition(".")[2]), value.real, float(approx)
+    slack = 1e-9 * max(1.0, abs(v))
+    rounded = abs(v - a) <= unit / 2 + slack
+    cut_off = (v >= 0) == (a >= 0) and -slack <= abs(v) - abs(a) < unit + slack
+    return rounded or cut_off
 
 
 def _chain_consistent(members: list[str]) -> bool:
@@ -1226,7 +1340,23 @@ def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = 
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     b = normalize(gold)
-    a = normalize(pred, decimal_comma=bool(b) and to_number(b) is not None)  # "1000,99" against one number
+    comma = bool(b) and to_number(b) is not None  # "1000,99" against one number
+    a = normalize(pred, decimal_comma=comma)
+    if _normalized_match(a, b, tolerance, numeric):
+        return True
+    # "x = 1/3 \\approx 0.33": the exact member was compared; its rounding too, against a gold that is one
+    if a and b and ("\\approx" in pred or "≈" in pred):
+        rounded = normalize(pred, decimal_comma=comma, rounded=True)
+        if rounded != a and _normalized_match(rounded, b, tolerance, numeric):
+            return True
+    if a and b and ("\\approx" in gold or "≈" in gold):  # the same either way round
+        rounded = normalize(gold, rounded=True)
+        return rounded != b and _normalized_match(a, rounded, tolerance, numeric)
+    return False
+
+
+def _normalized_match(a: str | None, b: str | None, tolerance: float, numeric: bool) -> bool:
+    """answers_match on two normalised answers."""
     if not a or not b:
         return False
     a, b = _drop_assignment(a, b), _drop_assignment(b, a)

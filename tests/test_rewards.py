@@ -346,7 +346,10 @@ EQUIVALENT = [
     ("x \\geqslant 2", "x >= 2"),
     # both sides times -1 (the direction flips), and a chain of two
     ("-x > -1", "x < 1"), ("-x \\geq -5", "x \\leq 5"), ("-2 < -x < -1", "1 < x < 2"), ("-y \\ne 3", "y \\ne -3"),
-    # chains from a variable: the last member is the answer; with \\approx the exact member wins (#49)
+    # chains from a variable: the last member is the answer; with \\approx the exact member, and its rounding
+    # against a rounded gold (#49)
+    ("x = 1/3 \\approx 0.33", "0.33"), ("\\theta = \\frac{\\pi}{2} \\approx 1.57", "1.57"),
+    ("x = \\frac23 \\approx 0.66", "0.66"),
     ("x = 5+5+1 = 11", "11"), ("x = 5+5+1 = 11", "x = 11"), ("x = 5 + 6 = 7 + 4 = 11", "11"), ("x \\approx 11", "11"),
     ("x = 5+5+1 = 7 = 11", "11"), ("x = 2/6 = 1/3 \\approx 0.33", "\\frac13"),
     ("x ≈ 11", "11"), ("x = 1/3 \\approx 0.33", "1/3"), ("x = \\frac{1}{3} \\approx 0.333", "\\frac13"),
@@ -372,7 +375,7 @@ DIFFERENT = [
     ("2^{1/2}", "2^{1/3}"), ("8^{2/3}", "8^{3/2}"), ("\\sqrt{-4}", "2"), ("e^{i\\pi}", "1"),
     # decimals are approximations (exact tasks): not equal to the irrational they round
     ("\\pi", "3.14"), ("\\pi", "3.14159265358979"), ("\\sqrt{2}", "1.414"), ("\\sqrt2", "1.4142135623730951"),
-    ("\\frac{1}{3}", "0.333"), ("\\frac{1}{3}", "0.3333333333333333"), ("\\frac{1}{12}", "0.0833333333333333"),
+    ("\\frac{1}{3}", "0.333"), ("\\frac{1}{3}", "0.333333"), ("\\frac{1}{12}", "0.0833"),
     ("e", "2.718281828459045"), ("\\frac{2}{3}", "0.67"), ("0.1", "0.10000001"),
     # relations
     ("x < 5", "x \\le 5"), ("x > 5", "x < 5"), ("x \\ge 3", "x \\le 3"), ("1 < x < 2", "1 \\le x \\le 2"),
@@ -393,8 +396,11 @@ DIFFERENT = [
     ("a != b", "a = b"), ("x >= 5", "x <= 5"), ("x >= 5", "(5, \\infty)"), ("x \\gt 3", "x \\ge 3"),
     ("-x > -1", "x > 1"), ("-x > -1", "x > -1"), ("-x < 1", "x < -1"), ("-2 < -x < -1", "-2 < x < -1"),
     ("-2x < 4", "x < -2"), ("2x < 4", "x > 2"),
-    # chains: the last member counts, and the exact member over the approximation
-    ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.33", "0.33"),
+    # chains: the last member counts; an approximation answers a rounded gold only if it is the exact member's
+    # rounding or cut-off (#49)
+    ("x = 5+5+1 = 11", "12"), ("x = 5+5+1 = 11", "x = 10"), ("x \\approx 11", "12"), ("x = 1/3 \\approx 0.5", "0.5"),
+    ("x = 1/3 \\approx 0.33", "0.34"), ("\\theta = \\frac{\\pi}{2} \\approx 1.58", "1.58"),
+    ("x = 2/3 \\approx 0.65", "0.65"), ("x = y + 1 \\approx 2.5", "2.5"),
     ("x = 5+5+1 = 11", "y = 11"), ("x \\approx 0.33", "\\frac13"),
     ("x = 1 \\quad y = 2", "2"), ("x = 1, y = 2 = 2", "2"), ("x = y = 5", "5"), ("x = 2y + 1 = 7", "7"),
     # equations: a different constant, a different slope, a power, or no variable at all
@@ -546,7 +552,8 @@ def test_decimal_commas(pred, gold, expected):
 # Decimal against exact only within --reward_tolerance: (pred, gold, tolerance, match)
 TOLERANCE_CASES = [
     ("0.0833333333333333", "\\frac{1}{12}", 1e-9, True),
-    ("0.0833333333333333", "\\frac{1}{12}", 0.0, False),
+    ("0.0833333333333333", "\\frac{1}{12}", 0.0, True),  # a float print of 1/12 (FLOAT_PRINT_DIGITS, #49)
+    ("0.0833333", "\\frac{1}{12}", 0.0, False),  # 6 significant digits: a hand rounding
     ("3.14159265358979", "\\pi", 1e-9, True),
     ("3.14", "\\pi", 1e-9, False),
     ("3.14", "\\pi", 1e-3, True),
@@ -630,7 +637,8 @@ FRAGMENTS = ["<think>", "</think>", "<answer>", "</answer>", "{", "}", "\\boxed{
              "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "1.5", "\\text{ cm}", "{,}", "\x00", "9^{9^{9}}",
              # sentences, relation notation, chains, decimal commas (#49)
              "The answer is ", "Answer: ", "answer", " euros", " is ", "$$", "\\(", "\\)", "\\[", "\\]", "\\$",
-             ">=", "<=", "!=", "≥", "\\ne", "\\approx", "≈", "1,22", "0,111", "1,000.99", "x = "]
+             ">=", "<=", "!=", "≥", "\\ne", "\\approx", "≈", "1,22", "0,111", "1,000.99", "x = ",
+             "####", "**", "€", "£", " more ", ". ", "0.0833333333333333"]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 

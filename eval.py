@@ -330,6 +330,8 @@ def main(argv=None):
     print_table(results)
     print0(f"wrote {cfg.out_dir}/summary.json and completions.jsonl")
     release_run_dir(cfg.out_dir)
+    if engine is not None:
+        engine.close()
     cleanup_dist()
 
 

@@ -833,6 +833,8 @@ def main(argv=None):
     else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)
         publish_model(find_latest(cfg.out_dir), os.path.join(cfg.out_dir, "model"), d)
     release_run_dir(cfg.out_dir)
+    if engine is not None:
+        engine.close()
     cleanup_dist()
 
 

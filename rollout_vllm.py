@@ -120,6 +120,11 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def close(self):
+        """Shut the engine down (its process groups too) while torch.distributed is still up: left to the interpreter's
+        exit, vLLM tears down subgroups of a default group already destroyed (a traceback after a finished run)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, num_samples: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=(), pad_id: int = 0,
                  seeds: list[int]) -> Generation:

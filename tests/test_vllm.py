@@ -147,9 +147,9 @@ VOWELS = """def vowels(completion, answer, **row):  # the share of vowels: a rew
 """
 
 
-def _grpo(tmp_path, init, name, extra):
+def _grpo(tmp_path, init, name, extra, launcher=(sys.executable,), steps=12):
     out = tmp_path / name
-    cmd = [sys.executable, "grpo.py", "--init", str(init), "--out_dir", str(out), "--steps", "12",
+    cmd = [*launcher, "grpo.py", "--init", str(init), "--out_dir", str(out), "--steps", str(steps),
            "--prompts_per_step", "4", "--group_size", "8", "--max_new_tokens", "12", "--eval_every", "6",
            "--eval_split", "test[:4]",
            "--lr", "3e-3", "--warmup", "1", "--reward_fn", f"{tmp_path / 'vowels.py'}:vowels",
@@ -182,6 +182,26 @@ def test_grpo_run_lands_on_the_default_reward_curve(tmp_path):
                 assert max(r["logprob_gap"] for r in rows) < 1e-4  # fp32: vLLM's log-probs are the trainer's
     sampler, ours = (sum(m) / 3 for m in means.values())
     assert abs(ours - sampler) < 0.08, means
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_two_ranks_equal_one_process(tmp_path):
+    # under torchrun every rank runs its own engine (external_launcher) on its share of the prompts, each prompt
+    # seeded by its global number: the steps of one process, to rounding; under DDP and under FSDP2 (whose pushes
+    # gather the sharded weights)
+    (tmp_path / "vowels.py").write_text(VOWELS)
+    init = tiny("llama-tied", tmp_path / "init")
+    vllm = ["--rollout", "vllm", "--vllm_memory", str(KV_GIB), "--eval_every", "0"]
+    one, _ = _grpo(tmp_path, init, "one", vllm, steps=3)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone")
+    assert one[0]["grad_norm"] > 0
+    for dist in ("ddp", "fsdp"):
+        two, _ = _grpo(tmp_path, init, dist, vllm + ["--dist", dist], launcher=torchrun, steps=3)
+        assert len(one) == len(two) == 3
+        for a, b in zip(one, two):
+            for k in ("reward", "vowels", "len_mean", "entropy", "grad_norm", "logprob_gap"):
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (dist, a["step"], k, a[k], b[k])
 
 
 @pytest.mark.slow

@@ -290,6 +290,12 @@ def tis_weights(old_logp, sampler_logp, cap: float):
     return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap))).detach()
 
 
+def tis_cap(cfg) -> float:
+    """--tis_cap, its default (none) resolved: 2 with --rollout vllm, an engine whose log-probs are another program's
+    (as TRL, verl and OpenRLHF default), else 0 (off: the sampler's are the trainer's to rounding)."""
+    return cfg.tis_cap if cfg.tis_cap is not None else 2.0 if cfg.rollout == "vllm" else 0.0
+
+
 def k3_kl(logp, ref_logp, max_log_ratio: float = 20.0):
     """Per-token k3 KL to the reference, (N, T): exp(d) - d - 1 with d = ref - logp (unbiased,
     always >= 0). d is clamped to +-max_log_ratio (as verl does), so a padding or garbage position
@@ -429,6 +435,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     ix = [torch.tensor(idx or [0], device=lmask.device) for idx in micro]
     sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack, cfg.share_prompt) for idx in micro]
     old, ref_logp = frozen_logprobs(model, ref, sliced, cfg)
+    cap = tis_cap(cfg)  # truncated importance sampling (0: off)
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for pass_i in range(cfg.mu):
         for k, idx in enumerate(micro):
@@ -437,8 +444,8 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
                 tis = None
-                if cfg.tis_cap:
-                    tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap)
+                if cap:
+                    tis = tis_weights(old_logp, sampler_logp[ix[k]], cap)
                 l, clip = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss,
                                       cfg.epsilon, cfg.epsilon_high, tis)
                 # the padding micro-batch of a rank without rows adds nothing
@@ -572,9 +579,7 @@ def check_config(cfg: GRPOConfig, d) -> tuple[dict | None, list]:
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward "
                          "is undefined; use G >= 2 (or --scale_rewards none)")
-    if cfg.tis_cap is None:  # on with an inference engine, whose log-probs differ from the trainer's
-        cfg.tis_cap = 2.0 if cfg.rollout == "vllm" else 0.0
-    if not 0 <= cfg.tis_cap < math.inf:
+    if not 0 <= tis_cap(cfg) < math.inf:
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, "
                          "e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)

@@ -177,7 +177,7 @@ def test_grpo_run_lands_on_the_default_reward_curve(tmp_path):
             assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.15  # it learns
             means[name].append(sum(curve) / len(curve))
             if name == "vllm":
-                assert config["tis_cap"] == 2.0  # on by default with vLLM
+                assert config["tis_cap"] is None  # the default: 2 with vLLM (test_tis_cap_default)
                 assert [r["step"] for r in rows if "eval_pass1" in r] == [6, 12]  # in-loop evals through the engine
                 assert max(r["logprob_gap"] for r in rows) < 1e-4  # fp32: vLLM's log-probs are the trainer's
     sampler, ours = (sum(m) / 3 for m in means.values())
@@ -224,6 +224,15 @@ def _error(cmd, out):
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 1 and not out.exists(), r.stderr[-2000:]
     return r.stderr.strip().splitlines()[-1]
+
+
+def test_tis_cap_default():
+    import grpo
+    from common import parse_config
+
+    cap = lambda *argv: grpo.tis_cap(parse_config(grpo.GRPOConfig, list(argv)))
+    assert cap() == 0.0 and cap("--rollout", "vllm") == 2.0  # on with an inference engine, as TRL / verl / OpenRLHF
+    assert cap("--rollout", "vllm", "--tis_cap", "0") == 0.0 and cap("--tis_cap", "3") == 3.0
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed: the missing-package error cannot happen")

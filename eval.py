@@ -33,6 +33,7 @@ import torch.distributed as tdist
 
 import fast
 import rewards
+import rollout_vllm
 import verifier
 from checkpoint import check_out_dir, claim_run_dir, release_run_dir, resolve_model_dir
 from common import (
@@ -44,6 +45,7 @@ from common import (
     check_flags,
     check_precision,
     cleanup_dist,
+    derive_seed,
     flag,
     free_main_objects,
     is_dist,
@@ -54,7 +56,7 @@ from common import (
     user_input,
 )
 from data import encode_prompt, format_prompt, load_splits
-from hf import check_token_ids, load_model, load_tokenizer, stop_and_pad_ids
+from hf import check_token_ids, load_config, load_model, load_tokenizer, stop_and_pad_ids
 from lora import load_adapter, merge_lora
 from memory import EVAL_BATCH  # problems per sampler call: --batch_size's default, and sft/grpo in-loop evals
 from sampler import generate
@@ -98,6 +100,10 @@ class EvalConfig:
     reward_tolerance: float = flag(0.0, "relative error at which a decimal answer matches an exact "
                                    "one (0 = exact)", section="generation and metrics")
     seed: int = flag(0, "sampling seed", section="generation and metrics")
+    rollout: str = flag("sampler", "what generates: sampler.py, or a vLLM engine per rank (pip install vllm; "
+                        "docs/vllm.md)", choices=["sampler", "vllm"], section="generation and metrics")
+    vllm_memory: float = flag(0.3, "--rollout vllm: the engine's share of the GPU's memory; on the CPU, "
+                              "its KV cache's share of the RAM", section="generation and metrics")
 
     dtype: str = flag("float32", "compute dtype (bfloat16: autocast over the weights, as in sft.py "
                       "/ grpo.py)", choices=["float32", "bfloat16"], section="infrastructure")
@@ -164,12 +170,14 @@ def sample_line(records: list[dict]) -> str:
 def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_tokens: int, samples: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, pass_k=(1,), batch_size: int = EVAL_BATCH, device=None,
              seed: int = 0, tolerance: float = 0.0, dtype: str = "float32", progress: str = "",
-             progress_every: float = 30.0) -> tuple[dict, list[dict]]:
+             progress_every: float = 30.0, engine=None) -> tuple[dict, list[dict]]:
     """Generate `samples` completions per row (temperature 0 = greedy), score them with rewards.reward and return
     (summary, records) on every rank; records hold one dict per completion, problem-major. Every rank must call
     this together when distributed (it gathers), with the same rows. dtype: the compute dtype (common.autocast),
     the training script's --dtype, so in-loop and standalone evals compute alike. progress: a name to report
-    progress under (common.Progress: a bar on a terminal, else a line every progress_every seconds); "" = silent."""
+    progress under (common.Progress: a bar on a terminal, else a line every progress_every seconds); "" = silent.
+    engine (--rollout vllm): a rollout_vllm.VLLMEngine holding the model's weights generates instead of sampler.py,
+    each prompt seeded from (seed, batch, prompt)."""
     t0 = time.perf_counter()
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if is_dist() else (0, 1)
     # where the generators live (default: the model's device; an FSDP2 parameter's is its local shard's)
@@ -188,11 +196,16 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
         batch = rows[:1] if dummy else rows[b * batch_size : (b + 1) * batch_size]
         # (text, response prefix)
         prompts = [format_prompt(r["question"], template, tokenizer, r.get("system")) for r in batch]
-        with autocast(model, dtype):
-            ids = [encode_prompt(tokenizer, p, template) for p, _ in prompts]
-            gen = generate(model, ids, max_new_tokens, num_samples=samples,
-                           temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
-                           generator=make_generator(seed, b, device=device))
+        ids = [encode_prompt(tokenizer, p, template) for p, _ in prompts]
+        if engine is not None:
+            seeds = [derive_seed(seed, b, j) for j in range(len(ids))]
+            gen = engine.generate(ids, max_new_tokens, num_samples=samples, temperature=temperature, top_p=top_p,
+                                  eos_ids=eos_ids, pad_id=pad_id, seeds=seeds)
+        else:
+            with autocast(model, dtype):
+                gen = generate(model, ids, max_new_tokens, num_samples=samples,
+                               temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id,
+                               generator=make_generator(seed, b, device=device))
         bar.update(world)  # rank 0 reports: every rank does one batch per round
         if dummy:
             continue
@@ -228,15 +241,22 @@ def _adapter_base(adapter: Path) -> str:
     return base
 
 
-def load_for_eval(cfg: EvalConfig, d):
-    """--model: an HF model dir, a run dir (its latest checkpoint) or a LoRA adapter on its base (merged unless
-    --lora_merge false). -> (the resolved path, model, tokenizer)."""
+def model_dirs(cfg: EvalConfig) -> tuple[Path, Path]:
+    """--model resolved: (the dir it names, the model dir whose config.json and weights load: an adapter's base)."""
     with user_input("--model"):  # a run dir whose `latest` is broken, an adapter without its base
         path = resolve_model_dir(cfg.model)
         adapter = (path / "adapter_config.json").is_file()  # a LoRA adapter: a LoRA run's checkpoint or OUT/adapter
         base = Path(cfg.lora_base or _adapter_base(path)) if adapter else path
     if not (base / "config.json").is_file():
         raise SystemExit(f"error: --model {cfg.model}: not a model directory (no config.json in {base})")
+    return path, base
+
+
+def load_for_eval(cfg: EvalConfig, d):
+    """--model: an HF model dir, a run dir (its latest checkpoint) or a LoRA adapter on its base (merged unless
+    --lora_merge false). -> (the resolved path, model, tokenizer)."""
+    path, base = model_dirs(cfg)
+    adapter = path != base
     check_precision(cfg.dtype, cfg.weights_dtype)
     with user_input("--model"):  # no weights, a truncated file, a bad config.json or tokenizer, an adapter that
         # does not fit the base, ... (config.json's checks first: transformers' tokenizer loader reads it too)
@@ -268,14 +288,24 @@ def main(argv=None):
     check_flags(cfg, at_least_1=("max_new_tokens", "samples", "pass_k", "batch_size"),
                 at_least_0=("temperature", "progress_every"), positive=("top_p", "dist_timeout"))
     check_out_dir(cfg.out_dir, "eval")  # a new or empty dir, or an earlier eval's: it rewrites summary/completions
+    if cfg.rollout == "vllm":  # vLLM installed and the model's shapes supported, before anything is loaded
+        with user_input("--model"):
+            rollout_vllm.check(load_config(model_dirs(cfg)[1], cfg.size_limits), d.device, cfg.vllm_memory)
     path, model, tok = load_for_eval(cfg, d)
     with user_input("data"):  # a missing file, a malformed row (named by file and line), a bad split or knob
         (rows,) = load_splits(cfg, cfg.split)
     with user_input("--template"):  # e.g. chat on a tokenizer without a chat template
         prompts = [format_prompt(r["question"], cfg.template, tok, r.get("system"))[0] for r in rows]
+    ids = [encode_prompt(tok, p, cfg.template) for p in prompts]
     with user_input("--model"):  # stop / pad ids, or a tokenizer's ids, past the model's vocabulary
         stop_and_pad_ids(tok, model.config)
-        check_token_ids([encode_prompt(tok, p, cfg.template) for p in prompts], model.config.vocab_size, "the prompts")
+        check_token_ids(ids, model.config.vocab_size, "the prompts")
+    engine = None
+    if cfg.rollout == "vllm":  # this rank's vLLM engine (rollout_vllm.py), holding the weights evaluated
+        with user_input("--rollout vllm"):
+            engine = rollout_vllm.VLLMEngine(model_dirs(cfg)[1], d, memory=cfg.vllm_memory, dtype=cfg.dtype,
+                                             max_len=max(map(len, ids)) + cfg.max_new_tokens, seed=cfg.seed)
+        engine.push(model)  # an adapter merged into them (a plain model dir: the weights it loaded)
     claim_run_dir(cfg.out_dir, "eval", d)  # its lock, the same checks again under it, its marker
     print0(f"eval {path} on {cfg.task} {cfg.split}: {len(rows)} problems, {d.world_size} rank(s)")
 
@@ -290,7 +320,7 @@ def main(argv=None):
                                     samples=n, temperature=temp, top_p=cfg.top_p, pass_k=cfg.pass_k,
                                     batch_size=cfg.batch_size, device=d.device, seed=cfg.seed,
                                     tolerance=cfg.reward_tolerance, dtype=cfg.dtype, progress=f"eval {name} batch",
-                                    progress_every=cfg.progress_every)
+                                    progress_every=cfg.progress_every, engine=engine)
         results[name] = summary
         for r in records:
             log.write({"mode": name, **r})
@@ -300,6 +330,8 @@ def main(argv=None):
     print_table(results)
     print0(f"wrote {cfg.out_dir}/summary.json and completions.jsonl")
     release_run_dir(cfg.out_dir)
+    if engine is not None:
+        engine.close()
     cleanup_dist()
 
 

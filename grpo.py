@@ -24,7 +24,8 @@ is bitwise the uninterrupted run; metrics/samples.jsonl are cut back to the chec
 Simplifications, stated up front:
   - one rollout -> mu policy updates (default 1: the ratio is exactly 1 and no old-log-prob forward is needed);
   - a prompt's G samples stay on one rank, so group statistics need no communication;
-  - generation uses the training weights directly (no separate inference engine, no weight sync);
+  - generation uses the training weights directly (no separate inference engine, no weight sync), unless
+    --rollout vllm: then a vLLM engine per rank samples, its weights pushed after each step (rollout_vllm.py);
   - advantages use the *sample* std (unbiased, like torch.std) plus eps=1e-4 when --scale_rewards=group.
 """
 
@@ -39,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 import fast
 import reward_plugins
 import rewards
+import rollout_vllm
 from checkpoint import (
     check_finite,
     check_out_dir,
@@ -64,6 +66,7 @@ from common import (
     cleanup_dist,
     clip_grad_norm,
     cxx_compiler,
+    derive_seed,
     flag,
     free_main_objects,
     frozen_in_compute_dtype,
@@ -147,8 +150,14 @@ class GRPOConfig:
     epsilon_high: float = flag(0.28, "PPO clip: upper bound 1 + epsilon_high (clip-higher)", section="GRPO")
     beta: float = flag(0.0, "k3 KL weight to the frozen init model (0: no reference model)", section="GRPO")
     mu: int = flag(1, "policy updates per rollout batch", section="GRPO")
-    tis_cap: float = flag(0.0, "truncated importance sampling: weight the policy term by "
-                          "min(exp(trainer - sampler logp), C) (0 = off)", section="GRPO")
+    tis_cap: float | None = flag(None, "truncated importance sampling: weight the policy term by "
+                                 "min(exp(trainer - sampler logp), C) (0 = off; none: 2 with --rollout vllm, "
+                                 "else 0)", section="GRPO")
+    rollout: str = flag("sampler", "what samples the rollouts and evals: sampler.py, or a vLLM engine per rank, "
+                        "its weights pushed after each step (pip install vllm; docs/vllm.md)",
+                        choices=["sampler", "vllm"], section="GRPO")
+    vllm_memory: float = flag(0.3, "--rollout vllm: the engine's share of the GPU's memory (weights, "
+                              "activations, KV cache); on the CPU, its KV cache's share of the RAM", section="GRPO")
     filter_zero_std: bool = flag(True, "drop groups with all-equal rewards from the loss", section="GRPO")
     mask_truncated: bool = flag(False, "drop truncated completions from the loss", section="GRPO")
     reward_weights: str = flag("", "reward weights, e.g. 'correct=1,format=0.1'", section="GRPO")
@@ -281,6 +290,12 @@ def tis_weights(old_logp, sampler_logp, cap: float):
     return torch.exp((old_logp - sampler_logp).clamp(max=math.log(cap))).detach()
 
 
+def tis_cap(cfg) -> float:
+    """--tis_cap, its default (none) resolved: 2 with --rollout vllm, an engine whose log-probs are another program's
+    (as TRL, verl and OpenRLHF default), else 0 (off: the sampler's are the trainer's to rounding)."""
+    return cfg.tis_cap if cfg.tis_cap is not None else 2.0 if cfg.rollout == "vllm" else 0.0
+
+
 def k3_kl(logp, ref_logp, max_log_ratio: float = 20.0):
     """Per-token k3 KL to the reference, (N, T): exp(d) - d - 1 with d = ref - logp (unbiased,
     always >= 0). d is clamped to +-max_log_ratio (as verl does), so a padding or garbage position
@@ -322,31 +337,22 @@ class Rollout:
 
 
 def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOConfig, eos_ids, pad_id: int,
-            device) -> Rollout:
+            device, engine=None) -> Rollout:
     """Sample cfg.group_size completions per prompt, cfg.gen_batch prompts per sampler call.
     prompts[0] is the step's global prompt number `first`. Each prompt's G rows draw their sampling
     noise from their own generator, seeded from (seed, step, global prompt number), so on the CPU any
     world size and any --gen_batch split draws the same samples (on CUDA the same noise, over logits that differ
-    to rounding between batch shapes)."""
+    to rounding between batch shapes). engine (--rollout vllm): it samples all the prompts in one call instead,
+    each prompt's G rows seeded from the same numbers."""
     model.eval()
-    parts = []
-    for c in range(0, len(prompts), cfg.gen_batch):
-        chunk = prompts[c : c + cfg.gen_batch]
-        # (len(chunk) * G, max_new_tokens) uniforms, row = prompt * G + sample: prompt j's from its
-        # own generator
-        draws = []
-        for j in range(len(chunk)):
-            g = make_generator(cfg.seed, step, first + c + j, device=device)
-            draws.append(torch.rand(cfg.group_size, cfg.max_new_tokens, generator=g, device=device))
-        noise = torch.cat(draws)
-        # the trainer's compute dtype, so sampler and trainer log-probs agree
-        with autocast(model, cfg.dtype):
-            gen = generate(
-                model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                eos_ids=eos_ids, pad_id=pad_id, noise=noise, fast="compile" if cfg.compile else "auto",
-            )  # fmt: skip
-        parts.append(gen)
+    if engine is not None:
+        seeds = [derive_seed(cfg.seed, step, first + j) for j in range(len(prompts))]
+        parts = [engine.generate(prompts, cfg.max_new_tokens, num_samples=cfg.group_size, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos_ids, pad_id=pad_id, seeds=seeds)]
+        engine.sleep()  # CUDA: its memory is the update's until the next push
+    else:
+        parts = [sampler_call(model, prompts[c : c + cfg.gen_batch], first + c, step, cfg, eos_ids, pad_id, device)
+                 for c in range(0, len(prompts), cfg.gen_batch)]
     # calls stop at different lengths: pad to the longest
     Tc = max(g.tokens.shape[1] for g in parts)
     mask = torch.cat([_pad(g.mask, Tc, False) for g in parts])
@@ -355,6 +361,24 @@ def rollout(model, prompts: list[list[int]], first: int, step: int, cfg: GRPOCon
         logprobs=torch.cat([_pad(g.logprobs, Tc, 0.0) for g in parts]),
         truncated=torch.cat([g.truncated for g in parts]), lengths=mask.sum(1),
     )  # fmt: skip
+
+
+def sampler_call(model, chunk: list[list[int]], first: int, step: int, cfg: GRPOConfig, eos_ids, pad_id: int, device):
+    """One sampler.generate call on `chunk`, prompt j being the step's global prompt number first + j."""
+    # (len(chunk) * G, max_new_tokens) uniforms, row = prompt * G + sample: prompt j's from its
+    # own generator
+    draws = []
+    for j in range(len(chunk)):
+        g = make_generator(cfg.seed, step, first + j, device=device)
+        draws.append(torch.rand(cfg.group_size, cfg.max_new_tokens, generator=g, device=device))
+    noise = torch.cat(draws)
+    # the trainer's compute dtype, so sampler and trainer log-probs agree
+    with autocast(model, cfg.dtype):
+        return generate(
+            model, chunk, cfg.max_new_tokens, num_samples=cfg.group_size,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            eos_ids=eos_ids, pad_id=pad_id, noise=noise, fast="compile" if cfg.compile else "auto",
+        )  # fmt: skip
 
 
 def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], cfg: GRPOConfig, weights,
@@ -411,6 +435,7 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
     ix = [torch.tensor(idx or [0], device=lmask.device) for idx in micro]
     sliced = [micro_batch(*batch, idx or [0], seq_len, cfg.pack, cfg.share_prompt) for idx in micro]
     old, ref_logp = frozen_logprobs(model, ref, sliced, cfg)
+    cap = tis_cap(cfg)  # truncated importance sampling (0: off)
     stats = []  # per counted micro-batch and pass: UPDATE_STATS's sums, on the device
     for pass_i in range(cfg.mu):
         for k, idx in enumerate(micro):
@@ -419,8 +444,8 @@ def update(model, ref, opt, batch, seq_len: list[int], adv, lmask, w, w_kl, samp
                 old_logp = old[k] if cfg.mu > 1 else logp.detach()
                 m = lmask[ix[k]]
                 tis = None
-                if cfg.tis_cap:
-                    tis = tis_weights(old_logp, sampler_logp[ix[k]], cfg.tis_cap)
+                if cap:
+                    tis = tis_weights(old_logp, sampler_logp[ix[k]], cap)
                 l, clip = policy_loss(logp, old_logp, adv[ix[k]], m, cfg.loss,
                                       cfg.epsilon, cfg.epsilon_high, tis)
                 # the padding micro-batch of a rank without rows adds nothing
@@ -554,7 +579,7 @@ def check_config(cfg: GRPOConfig, d) -> tuple[dict | None, list]:
     if G < 2 and cfg.scale_rewards == "group":
         raise SystemExit("error: --group_size 1 with --scale_rewards group: the std of one reward "
                          "is undefined; use G >= 2 (or --scale_rewards none)")
-    if not 0 <= cfg.tis_cap < math.inf:
+    if not 0 <= tis_cap(cfg) < math.inf:
         raise SystemExit(f"error: --tis_cap {cfg.tis_cap}: need 0 (off) or a positive finite cap, "
                          "e.g. 2")
     rewards.check_tolerance(cfg.reward_tolerance)
@@ -696,17 +721,18 @@ def write_samples(samples_log, step: int, prompts: list[str], texts: list[str], 
 
 
 def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plugins, stop_ids,
-              order):
+              order, engine=None):
     """One GRPO step on this rank's share of the step's prompts: rollout -> score -> advantages -> update ->
-    metrics (reduced over ranks). -> metrics, the completions' texts and scores, their problems, and the
-    seconds of the step's parts (metrics' t_generate, t_score, t_train: this step's update)."""
+    metrics (reduced over ranks); with --rollout vllm the updated weights are then pushed to the engine. -> metrics,
+    the completions' texts and scores, their problems, and the seconds of the step's parts (metrics' t_generate,
+    t_score, t_train: this step's update)."""
     t0 = time.perf_counter()
     reset_peak_mem(d.device)  # mem_peak_mb: this step's
     lr = set_lr(opt, step, cfg)
     eos_ids, pad_id = stop_ids
     first, mine = step_prompts(step, order, cfg, d)
     prompts = [task.ids[i] for i in mine]
-    roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device)
+    roll = rollout(model, prompts, first, step, cfg, eos_ids, pad_id, d.device, engine)
     t1 = time.perf_counter()
     starts, rows = [task.response_start[i] for i in mine], [task.rows[i] for i in mine]
     r, scores, texts = score(tok, roll, starts, rows, cfg, weights, plugins)  # r: (P_rank, G) on the device
@@ -714,6 +740,8 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
     t2 = time.perf_counter()
     batch, seq_len = training_rows(prompts, roll, cfg.group_size, pad_id)
     stats = update(model, ref, opt, batch, seq_len, adv, lmask, w, w_kl, roll.logprobs, cfg, step)
+    if engine is not None:  # the next rollout (and an eval now) samples from the updated policy
+        engine.push(model)
     t3 = time.perf_counter()
     times = {"generate": t1 - t0, "score": t2 - t1, "update": t3 - t2, "step": t3 - t0}
     metrics = step_metrics(step, scores, r, zero_std, roll, stats, times, lr, d.device)
@@ -725,7 +753,7 @@ def grpo_step(step: int, cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts
 
 
 def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plugins, stop_ids, state: dict,
-          record: dict):
+          record: dict, engine=None):
     """Steps state["step"] + 1 .. --steps (or until --max_minutes of training time)."""
     log = open_metrics_log(cfg, d, state)
     samples_log = JsonlLogger(os.path.join(cfg.out_dir, "samples.jsonl"), d.is_main)
@@ -740,7 +768,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
                    every_s=cfg.progress_every)
     for step in range(start, cfg.steps + 1):
         metrics, texts, scores, mine, times = grpo_step(step, cfg, d, model, ref, opt, tok, task, weights,
-                                                        plugins, stop_ids, order)
+                                                        plugins, stop_ids, order, engine)
         train_s += times["step"]
         metrics.update(train_s=train_s, wall_s=time.perf_counter() - t_start)
         samples = write_samples(samples_log, step, [task.text[i] for i in mine], texts, scores, cfg)
@@ -752,7 +780,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
         if cfg.eval_every and (step % cfg.eval_every == 0 or done):
             summary, records = evaluate(model, tok, task.eval_rows, template=cfg.template,
                                         max_new_tokens=cfg.max_new_tokens, device=d.device, seed=cfg.seed,
-                                        tolerance=cfg.reward_tolerance, dtype=cfg.dtype)
+                                        tolerance=cfg.reward_tolerance, dtype=cfg.dtype, engine=engine)
             metrics["eval_pass1"] = summary["pass@1"]
         log.write(metrics)
         evaluated = f" | eval pass@1 {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
@@ -784,6 +812,8 @@ def main(argv=None):
         model_cfg = load_config(cfg.init, cfg.size_limits)
         tok = load_tokenizer(cfg.init)
         stop_ids = stop_and_pad_ids(tok, model_cfg)  # no stop token: an error naming the dir
+    if cfg.rollout == "vllm":  # vLLM installed, the model's shapes supported: said now, not after loading
+        rollout_vllm.check(model_cfg, d.device, cfg.vllm_memory)
     task = load_prompts(cfg, tok, model_cfg)
     shapes = memory_shapes(cfg, "grpo", d.world_size, task.longest, d.device.type)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
@@ -793,14 +823,23 @@ def main(argv=None):
     record = run_record(cfg, d)  # the flags + the --init weights' hash: what config.json and each checkpoint keep
     resume_from = resume_point(cfg, d, must_match=("prompts_per_step", "group_size"), record=record)
     model, ref, opt = build_models(cfg, d)
+    engine = None
+    if cfg.rollout == "vllm":  # this rank's engine, loaded from --init (rollout_vllm.py); a failure writes nothing
+        with user_input("--rollout vllm"):
+            engine = rollout_vllm.VLLMEngine(cfg.init, d, memory=cfg.vllm_memory, dtype=cfg.dtype,
+                                             max_len=task.longest + cfg.max_new_tokens, seed=cfg.seed)
     # load the checkpoint (or start fresh); cut metrics/samples.jsonl back to its step; config.json
     state = start_or_resume(resume_from, cfg, model, opt, d, record=record)
-    train(cfg, d, model, ref, opt, tok, task, weights, plugins, stop_ids, state, record)
+    if engine is not None:  # the resumed (or LoRA / bf16-stored) policy, not --init's weights
+        engine.push(model)
+    train(cfg, d, model, ref, opt, tok, task, weights, plugins, stop_ids, state, record, engine)
     if cfg.lora_rank:  # the checkpoints hold the adapter alone: write the merged model, the adapter
         export_lora(model, tok, cfg.out_dir, d)
     else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)
         publish_model(find_latest(cfg.out_dir), os.path.join(cfg.out_dir, "model"), d)
     release_run_dir(cfg.out_dir)
+    if engine is not None:
+        engine.close()
     cleanup_dist()
 
 

@@ -1,9 +1,9 @@
-"""The GPU acceptance run (#13, #48), on random-init weights at real shapes (nothing is downloaded). Run it as
+"""The GPU acceptance run (#13, #48, #50), on random-init weights at real shapes (nothing is downloaded). Run it as
 scripts/gpu_check.sh; --tiny runs the same checks at toy shapes on the CPU (a default test does, so it keeps working).
 Each part is one question; --only picks parts, and every row is appended to --out (JSON lines, first an "info"
 line: device, torch / CUDA / cuDNN / transformers versions) and the markdown table --out.md rewritten as soon as
 its part is done, so a run killed later keeps what it measured. On one H100, in two commands of ~4 minutes each
-(the estimate: README of scripts/gpu_check.sh):
+and a third for vllm (the estimate: README of scripts/gpu_check.sh):
 
   logits   our Transformer vs transformers' on the same weights, fp32 and bf16 (autocast over fp32 weights)
   kernels  a GRPO micro-batch (packed rows with a shared prompt: masked grouped-query attention), a padded batch and
@@ -20,6 +20,9 @@ its part is done, so a run killed later keeps what it measured. On one H100, in 
   train    SFT and GRPO steps of the 1.5B shape (8 prompts x G=8, 256 new tokens), plain and --dist fsdp on 1
            rank: s/step (generate / train) and peak memory per step, from each run's metrics.jsonl. No checkpoint
            is written (~25 GB each at 1.5B) unless --save_checkpoints
+  vllm     rollout tok/s at the 1.5B shape, bf16, 8 prompts x G=8 x 128 new tokens: grpo.py --rollout vllm's
+           engine vs the sampler vs transformers' generate, and the engine's start and weight push
+           (scripts/bench_vllm.py); needs `pip install vllm` (without it: one row saying so)
 
     python scripts/gpu_check.py --make_model qwen2.5-0.5b --out_dir /tmp/qwen05b   # just write a random HF dir
 """
@@ -63,7 +66,7 @@ SHAPES = {  # the real models' config.json values
 }
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-PARTS = ("logits", "kernels", "sampler", "decode", "train")  # the order they run in
+PARTS = ("logits", "kernels", "sampler", "decode", "train", "vllm")  # the order they run in
 # HBM bandwidth, GB/s, by the first of these names in torch.cuda.get_device_name() (NVIDIA's data sheets)
 HBM_GBS = {"H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
            "A100 80GB PCIe": 1935, "A100": 1555}  # fmt: skip
@@ -350,6 +353,19 @@ def train_runs(path, work: Path, device, tiny, save) -> list[dict]:
     return rows
 
 
+def bench_vllm(path, device, tiny) -> list[dict]:
+    """scripts/bench_vllm.py's rows at this shape (bf16; the engine takes half the GPU's memory)."""
+    if importlib.util.find_spec("vllm") is None:
+        return [dict(check="vllm", skipped="vllm is not installed (pip install vllm)")]
+    if tiny:  # TINY's head_dim 16 has no vLLM CPU kernel
+        return [dict(check="vllm", skipped="--tiny: the toy shape's head_dim 16 has no vLLM CPU kernel")]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_vllm as b
+
+    torch.cuda.empty_cache()
+    return b.bench(path, device, "bfloat16", 8, 8, 128, 64, repeats=3, memory=0.5)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # results: JSON lines, appended part by part, and a markdown table of all of them
 
@@ -435,10 +451,12 @@ def main():
                         for r in bench_sampler(n, model_dir(n), device, args.tiny, info["hbm_gbs"])]
             elif part == "decode":
                 rows = bench_decode_modes("qwen2.5-0.5b", model_dir("qwen2.5-0.5b"), device, args.tiny, args.compile)
-            else:
+            elif part == "train":
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the subprocesses need the GPU memory
                 rows = train_runs(model_dir("qwen2.5-1.5b"), Path(tmp), device, args.tiny, args.save_checkpoints)
+            else:
+                rows = bench_vllm(model_dir("qwen2.5-1.5b"), device, args.tiny)
             done(part, rows)
     print(md.read_text())
     if bad:

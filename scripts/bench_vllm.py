@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from bench import timed  # noqa: E402
 from hf import char_tokenizer, load_model, save_model  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from sampler import generate  # noqa: E402
@@ -46,16 +47,6 @@ def make_model(name: str, path: Path, dtype: torch.dtype) -> Path:
     torch.manual_seed(0)
     save_model(Transformer(ModelConfig(**SHAPES[name])).to(dtype), path, char_tokenizer())
     return path
-
-
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def bench(path, device, dtype: str, P: int, G: int, new: int, prompt_len: int, repeats: int, memory: float,

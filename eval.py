@@ -146,8 +146,9 @@ def summarize(records: list[dict], n_samples: int, pass_k=(1,), tolerance: float
             out[f"pass@{k}"] = sum(hits) / len(groups)
     for k in sorted(set(pass_k)):
         if 1 < k <= n_samples:
-            votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]["gold"]) for g in groups]
-            hits = [v is not None and verifier.answers_match(v, gold, tolerance, numeric) for v, gold in votes]
+            votes = [(majority_vote([r["answer"] for r in g[:k]]), g[0]) for g in groups]
+            hits = [v is not None and verifier.answers_match(v, r["gold"], tolerance, numeric, r.get("question", ""))
+                    for v, r in votes]  # fmt: skip
             out[f"maj@{k}"] = sum(hits) / len(groups)
     for key in ("correct", "format", "reward"):
         out[key] = sum(r[key] for r in records) / len(records)
@@ -217,7 +218,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, template: str, max_new_token
             text = tokenizer.decode(tokens[i][: n_tok[i]], skip_special_tokens=True)
             response = prompts[p][1] + text  # what the prompt opened ("<think>") + the completion
             score = rewards.reward(response, batch[p]["answer"], tolerance=tolerance,
-                                   numeric=batch[p].get("numeric", False))
+                                   numeric=batch[p].get("numeric", False), question=batch[p]["question"])
             mine.append({"problem": b * batch_size + p, "sample": j, "question": batch[p]["question"],
                          "gold": batch[p]["answer"], "response": response, "answer": rewards.extract_answer(response),
                          "num_tokens": n_tok[i], "truncated": truncated[i], **score})

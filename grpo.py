@@ -394,7 +394,7 @@ def score(tok, roll: Rollout, response_starts: list[str], problems: list[dict], 
     scores = [
         rewards.reward(response_starts[i // G] + t, problems[i // G]["answer"], weights, num_tokens=lengths[i],
                        max_tokens=cfg.max_new_tokens, tolerance=cfg.reward_tolerance,
-                       numeric=problems[i // G].get("numeric", False))
+                       numeric=problems[i // G].get("numeric", False), question=problems[i // G]["question"])
         for i, t in enumerate(texts)
     ]  # fmt: skip
     if plugins:

@@ -31,12 +31,13 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def reward(response: str, gold: str, weights: dict | None = None, *, num_tokens=None, max_tokens=None,
-           tolerance: float = 0.0, numeric: bool = False) -> dict:
+           tolerance: float = 0.0, numeric: bool = False, question: str = "") -> dict:
     """Score one response (response_prefix + completion) against the gold answer.
 
     Returns {"reward": weighted sum, "correct": 0/1, "format": 0/1, "overlong": in [-1, 0]}. `correct` needs the
     strict R1 format: the answer is read from the <answer> block only. `tolerance`, `numeric` (the row's answer form,
-    data.py): see verifier.answers_match.
+    data.py), `question` (the problem: an answer that restates one of its expressions is wrong): see
+    verifier.answers_match.
     """
     weights = {**DEFAULT_WEIGHTS, **(weights or {})}  # names not given keep their default weight
     unknown = set(weights) - set(DEFAULT_WEIGHTS)
@@ -44,7 +45,7 @@ def reward(response: str, gold: str, weights: dict | None = None, *, num_tokens=
         raise ValueError(f"unknown reward weights {sorted(unknown)}; known: {sorted(DEFAULT_WEIGHTS)}")
     parsed = parse_r1(response)
     parts = {
-        "correct": float(parsed is not None and verifier.answers_match(parsed[1], gold, tolerance, numeric)),
+        "correct": float(parsed is not None and verifier.answers_match(parsed[1], gold, tolerance, numeric, question)),
         "format": float(parsed is not None),
         "overlong": overlong_penalty(num_tokens, max_tokens),
     }

@@ -1332,16 +1332,19 @@ def _drop_assignment(s: str, other: str) -> str:
     return s
 
 
-def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = False) -> bool:
+def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = False, question: str = "") -> bool:
     """True if `pred` and `gold` are the same answer: equal normalised strings, or equal values of their trees
     (see the module docstring). `tolerance` > 0 lets a decimal match an exact value within that relative error.
     numeric: the task's answers are numbers, so `pred` must be one too (to_number's forms after normalisation:
-    "84", "$84", "84 apples", "1,000", "0.5", "3/4"), never an expression that evaluates to it ("82-18+20")."""
+    "84", "$84", "84 apples", "1,000", "0.5", "3/4"), never an expression that evaluates to it ("82-18+20").
+    question: the problem's text; an answer that only restates one of its expressions is none (echoes_question)."""
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     b = normalize(gold)
     comma = bool(b) and to_number(b) is not None  # "1000,99" against one number
     a = normalize(pred, decimal_comma=comma)
+    if question and echoes_question(a, b, question):
+        return False
     if _normalized_match(a, b, tolerance, numeric):
         return True
     # "x = 1/3 \\approx 0.33": the exact member was compared; its rounding too, against a gold that is one
@@ -1353,6 +1356,28 @@ def answers_match(pred: str, gold: str, tolerance: float = 0.0, numeric: bool = 
         rounded = normalize(gold, rounded=True)
         return rounded != b and _normalized_match(a, rounded, tolerance, numeric)
     return False
+
+
+def echoes_question(a: str | None, b: str | None, question: str) -> bool:
+    r"""Whether the normalised answer `a` restates one of the question's math spans rather than answering it:
+    "Simplify $\sqrt{242}$." answered "\sqrt{242}", "Express $\frac{3}{20}$ as a decimal." answered "\frac{3}{20}".
+    Equal in value to the gold, so a value check accepts it, and a policy learns to copy the question. A plain
+    integer or decimal is never an echo (the question may name the answer), nor is the gold's own text."""
+    if not a or a == b or (to_number(a) is not None and "/" not in a and "frac" not in a):
+        return False
+    return a in _question_expressions(question)
+
+
+_EXPRESSION_CACHE: dict[str, frozenset] = {}  # question -> its spans, normalised (a prompt's G samples share one)
+
+
+def _question_expressions(question: str) -> frozenset:
+    if question not in _EXPRESSION_CACHE:
+        if len(_EXPRESSION_CACHE) > 4096:
+            _EXPRESSION_CACHE.clear()
+        spans = (normalize(question[cs:ce]) for _, _, cs, ce in _math_spans(question))
+        _EXPRESSION_CACHE[question] = frozenset(x for x in spans if x)
+    return _EXPRESSION_CACHE[question]
 
 
 def _normalized_match(a: str | None, b: str | None, tolerance: float, numeric: bool) -> bool:

@@ -177,9 +177,10 @@ def test_number_ending_the_last_sentence(answer, gold, correct):
 
 KNOWN_DISAGREEMENTS = {
     # "Simplify X" answered by repeating X: equal to the gold in value, but no answer. A value check cannot tell
-    # (it never sees the question); math-verify accepts both too.
+    # without the question (math-verify accepts both too); with it, they are echoes (test_corpus_with_questions).
     "test/prealgebra/1302.json", "test/algebra/1519.json",
 }
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def _corpus():
@@ -206,6 +207,48 @@ def test_checker_agrees_with_the_corpus_verdicts():
             against[r["id"]] = got
     assert set(against) == KNOWN_DISAGREEMENTS, against
     assert all(v == 1.0 for v in against.values())  # the known ones are false accepts, nothing else
+
+
+def test_corpus_with_questions():
+    # the same rows scored as grpo.py and eval.py score them, with the problem's text: no disagreement is left
+    math500, gsm8k = SHARED / "math500" / "test.jsonl", SHARED / "gsm8k" / "test.jsonl"
+    if not (math500.exists() and gsm8k.exists()):
+        pytest.skip("../shared/data (MATH-500 and GSM8K test) is not here")
+    questions = {r["unique_id"]: r["problem"] for r in map(json.loads, math500.read_text().splitlines())}
+    questions |= {f"gsm8k/test/{i}": json.loads(line)["question"]
+                  for i, line in enumerate(gsm8k.read_text().splitlines())}  # fmt: skip
+    rows = _corpus()
+    got = {r["id"]: reward(f"<think>work</think> <answer>{r['text']}</answer>", r["gold"], numeric=r["numeric"],
+                           question=questions[r["id"]])["correct"] for r in rows}  # fmt: skip
+    assert {r["id"]: got[r["id"]] for r in rows if got[r["id"]] != float(r["verdict"])} == {}
+
+
+# ---------------------------------------------------------------- answers that restate the question
+# (question, answer block text, gold, correct): an expression copied from the question is no answer, however equal
+# its value; a number the question names can be, and so can the gold's own text.
+
+ECHOES = [
+    ("Simplify $\\sqrt{50}$.", "\\sqrt{50}", "5\\sqrt{2}", False),
+    ("Simplify $\\sqrt{50}$.", "$\\sqrt{50}$", "5\\sqrt{2}", False),
+    ("Simplify $\\sqrt{50}$.", "The answer is $\\sqrt{ 50 }$.", "5\\sqrt{2}", False),
+    ("Simplify $\\sqrt{50}$.", "5\\sqrt{2}", "5\\sqrt{2}", True),
+    ("Simplify $\\sqrt{50}$.", "5\\sqrt2", "5\\sqrt{2}", True),
+    ("Express $\\frac{7}{20}$ as a decimal.", "\\frac{7}{20}", "0.35", False),
+    ("Express $\\frac{7}{20}$ as a decimal.", "0.35", "0.35", True),
+    ("Compute $\\frac{1}{2}+\\frac{1}{3}$.", "\\frac12 + \\frac13", "\\frac{5}{6}", False),
+    ("Compute $\\frac{1}{2}+\\frac{1}{3}$.", "\\frac{5}{6}", "\\frac{5}{6}", True),
+    ("Which is larger, $3$ or $5$?", "5", "5", True),  # a plain number the question names
+    ("Which is larger, $\\sqrt{3}$ or $\\frac{7}{4}$?", "\\frac{7}{4}", "\\frac{7}{4}", True),  # the gold's text
+    ("Which is larger, $\\sqrt{3}$ or $\\frac{7}{4}$?", "\\frac74", "\\frac{7}{4}", True),
+    ("", "\\sqrt{50}", "5\\sqrt{2}", True),  # no question given: the value check alone
+]
+
+
+@pytest.mark.parametrize("question,answer,gold,correct", ECHOES)
+def test_echo_of_the_question_is_no_answer(question, answer, gold, correct):
+    got = reward(f"<think>work</think> <answer>{answer}</answer>", gold, question=question)["correct"]
+    assert got == float(correct)
+    assert answers_match(answer, gold, question=question) == correct
 
 
 # ---------------------------------------------------------------- currency signs besides the dollar

@@ -3,7 +3,8 @@
 Pure Python, no torch; nothing here or in verifier.py ever evaluates model text. A reward is a weighted sum of
 components, each a function below with an entry in DEFAULT_WEIGHTS (--reward_weights changes the weights):
   correct   1 if the <answer> block of a well-formed response matches the gold answer (verifier.answers_match;
-            where the task's answers are numbers, `numeric`, the answer must be a number, not an expression)
+            where the task's answers are numbers, `numeric`, the answer must be a number, not an expression; never
+            an expression copied from the question, verifier.echoes_question)
   format    1 if the response has the strict R1 structure (parse_r1)
   overlong  DAPO's soft length penalty in [-1, 0] (overlong_penalty; weight 0 by default)
 

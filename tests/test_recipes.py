@@ -29,6 +29,7 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49_152, hidden_size=576, intermedi
                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=8192,
                rope_theta=1e5)
 DEMO_TASK = "--task arith --template chat --max_new_tokens 48"
+GSM8K_TASK = "--task gsm8k --data_path ../shared/data/gsm8k --template chat --max_new_tokens 256"
 # recipe -> (stage, the model's shape, the command line it replaced, as written there, less the launcher)
 RECIPES = {
     "qwen2.5-1.5b-gsm8k-grpo.yaml": (grpo, QWEN25, """--init ckpt/qwen2.5-1.5b-instruct --task gsm8k --template chat
@@ -56,6 +57,15 @@ RECIPES = {
         --eval_split test[:200] --seed 0 --out_dir runs_real/grpo_s0"""),
     "smollm2-arith-eval.yaml": (eval_stage, SMOLLM2, f"""--model runs_real/grpo_s0/model {DEMO_TASK}
         --split test[:200] --out_dir runs_real/eval_grpo_s0"""),
+    # the seed's experiment at our scale (docs/real_models.md)
+    "smollm2-gsm8k-sft.yaml": (sft, SMOLLM2, f"""{GSM8K_TASK} --split train[:10%] --steps 40 --global_batch 8
+        --micro_batch 4 --lr 5e-5 --warmup 5 --weight_decay 0 --stop_pass1 0 --eval_every 0
+        --out_dir runs_real/gsm8k_sft"""),
+    "smollm2-gsm8k-grpo.yaml": (grpo, SMOLLM2, f"""--init runs_real/gsm8k_sft/model {GSM8K_TASK}
+        --split train[10%:] --prompts_per_step 16 --group_size 4 --train_micro_batch 16 --lr 1e-5 --warmup 3
+        --beta 0 --steps 1000 --max_minutes 45 --eval_every 0 --out_dir runs_real/gsm8k_grpo"""),
+    "smollm2-gsm8k-eval.yaml": (eval_stage, SMOLLM2, f"""--model runs_real/gsm8k_grpo/model {GSM8K_TASK}
+        --split test[:200] --out_dir runs_real/eval_gsm8k_grpo"""),
 }
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -766,6 +766,7 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
     start = cfg.steps + 1 if stays_stopped(state, cfg.max_minutes) else state["step"] + 1
     bar = Progress(cfg.steps, "grpo step", initial=start - 1, enabled=d.is_main,
                    every_s=cfg.progress_every)
+    out_of_time = False
     for step in range(start, cfg.steps + 1):
         metrics, texts, scores, mine, times = grpo_step(step, cfg, d, model, ref, opt, tok, task, weights,
                                                         plugins, stop_ids, order, engine)
@@ -799,6 +800,9 @@ def train(cfg: GRPOConfig, d, model, ref, opt, tok, task: Prompts, weights, plug
         if done:
             break
     bar.close()
+    if out_of_time and step < cfg.steps:  # (else the bar's last line reads 3%, eta 24h, and the run just ends)
+        print0(f"step {step}: --max_minutes {cfg.max_minutes:g} of training time used: stopping (a larger "
+               "--max_minutes continues the run)")
     log.close()
     samples_log.close()
 
@@ -837,6 +841,7 @@ def main(argv=None):
         export_lora(model, tok, cfg.out_dir, d)
     else:  # OUT/model: the last checkpoint's model files (README's runs/grpo/model)
         publish_model(find_latest(cfg.out_dir), os.path.join(cfg.out_dir, "model"), d)
+    print0(f"done: model in {os.path.join(cfg.out_dir, 'model')}")
     release_run_dir(cfg.out_dir)
     if engine is not None:
         engine.close()

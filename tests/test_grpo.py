@@ -129,6 +129,19 @@ def test_save_minutes_checkpoints_by_wall_time(tiny_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_000003"]
 
 
+def test_max_minutes_stops_says_so_and_goes_on_with_more(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "timed"
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(out), *FLAGS, "--max_minutes", "1e-9"])  # any step: longer
+    printed = capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1]
+    assert "step 1: --max_minutes 1e-09 of training time used: stopping" in printed
+    assert (out / "latest").read_text().strip() == "step_000001" and (out / "model" / "config.json").is_file()
+    assert f"done: model in {out / 'model'}" in printed
+    grpo.main(["--init", str(tiny_dir), "--out_dir", str(out), *FLAGS])  # no limit: it goes on to --steps
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2, 3]
+    assert "stopping" not in capsys.readouterr().out
+
+
 def test_each_in_loop_eval_shows_one_sample(tiny_dir, tmp_path, capsys):
     """The console shows one eval completion per in-loop eval: the first held-out problem, its response, verdict."""
     flags = [*FLAGS[:FLAGS.index("--eval_every")], "--eval_every", "2", *FLAGS[FLAGS.index("--eval_every") + 2:]]

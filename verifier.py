@@ -52,6 +52,7 @@ MAX_ITEMS, MAX_BITS and STEP_BUDGET (worst case: see the grammar section). tests
 """
 
 import cmath
+import functools
 import math
 import re
 import zlib
@@ -1368,16 +1369,11 @@ def echoes_question(a: str | None, b: str | None, question: str) -> bool:
     return a in _question_expressions(question)
 
 
-_EXPRESSION_CACHE: dict[str, frozenset] = {}  # question -> its spans, normalised (a prompt's G samples share one)
-
-
+@functools.lru_cache(maxsize=4096)  # a prompt's G samples share one question
 def _question_expressions(question: str) -> frozenset:
-    if question not in _EXPRESSION_CACHE:
-        if len(_EXPRESSION_CACHE) > 4096:
-            _EXPRESSION_CACHE.clear()
-        spans = (normalize(question[cs:ce]) for _, _, cs, ce in _math_spans(question))
-        _EXPRESSION_CACHE[question] = frozenset(x for x in spans if x)
-    return _EXPRESSION_CACHE[question]
+    """The question's math spans, normalised."""
+    spans = (normalize(question[cs:ce]) for _, _, cs, ce in _math_spans(question))
+    return frozenset(x for x in spans if x)
 
 
 def _normalized_match(a: str | None, b: str | None, tolerance: float, numeric: bool) -> bool:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lora import LoRALinear
 from model import KVCache, additive_mask, attention, rope_cos_sin
 from sampler import Decoder, per_row_cache
 
@@ -222,13 +223,15 @@ def fused_layers(model, rows: int = 0, compile: bool = False) -> list[tuple] | N
     post-attention norm, gate/up stacked (2 I, in), down_proj), each projection a pair (weight, its
     onednn_packed copy for `rows` rows or None; compile: for weights from COMPILED_ONEDNN_MIN_WEIGHT up; None where
     use_onednn did not convert the model). Copies, made once per generate call: one matmul where the model runs
-    three, one where it runs two. None where the step does not apply: LoRA adapters, weights other than fp32,
-    autocast, FSDP2, Qwen3's q/k norms, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves
-    nothing)."""
+    three, one where it runs two; a LoRA layer's weight merged (W + scale * B @ A, as lora.merge_lora's). None where
+    the step does not apply: weights other than fp32, autocast, LoRA dropout in training mode, FSDP2, Qwen3's q/k
+    norms, or copies over FUSED_MAX_BYTES (there the step is its matmuls: fusing saves nothing)."""
     w = model.embed_tokens.weight
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
-    if (not all(isinstance(m, nn.Linear) for m in projections) or torch.is_autocast_enabled(w.device.type)
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if (torch.is_autocast_enabled(w.device.type)
+            or any(m.training and not isinstance(m.dropout, nn.Identity) for m in adapters)
             or any(p.dtype != torch.float32 for p in model.parameters())
             or sum(m.weight.numel() for m in projections) * 4 > FUSED_MAX_BYTES
             or any(isinstance(m, FSDPModule) for m in model.modules())
@@ -241,14 +244,17 @@ def fused_layers(model, rows: int = 0, compile: bool = False) -> list[tuple] | N
             return w, None
         return w, onednn_packed(w, rows, min_macs=0 if compile else None)
 
+    def weight(m):  # (out, in): a LoRA layer's merged (the same products to fp32 rounding), else the weight itself
+        return m.weight + m.delta() if isinstance(m, LoRALinear) and m.enabled else m.weight
+
     layers = []
     for b in model.layers:
         a, m = b.self_attn, b.mlp
-        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((H + 2 Hkv) D, C)
+        qkv = torch.cat([weight(a.q_proj), weight(a.k_proj), weight(a.v_proj)])  # ((H + 2 Hkv) D, C)
         bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # (2 I, C)
-        layers.append((b.input_layernorm.weight, pair(qkv), bias, pair(a.o_proj.weight),
-                       b.post_attention_layernorm.weight, pair(gate_up), pair(m.down_proj.weight)))
+        gate_up = torch.cat([weight(m.gate_proj), weight(m.up_proj)])  # (2 I, C)
+        layers.append((b.input_layernorm.weight, pair(qkv), bias, pair(weight(a.o_proj)),
+                       b.post_attention_layernorm.weight, pair(gate_up), pair(weight(m.down_proj))))
     return layers
 
 

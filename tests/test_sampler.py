@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import fast
 from hf import save_model
+from lora import LORA_TARGETS, adapters_off, add_lora, lora_layers
 from model import ModelConfig, Transformer
 from sampler import generate, sample
 
@@ -400,11 +401,32 @@ def test_fused_step_with_onednn_packed_weights(monkeypatch):
     assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-5
 
 
-def test_fused_step_falls_back_to_the_forward(monkeypatch):
-    # where fused_layers returns None, generate(fast="shared+fused") decodes with the forward: LoRA, bf16 weights,
-    # autocast, weight copies over FUSED_MAX_BYTES
-    from lora import add_lora
+@pytest.mark.parametrize("targets", [("o_proj", "down_proj"), ("q_proj", "v_proj", "up_proj"), LORA_TARGETS])
+def test_fused_step_with_lora_equals_the_forward(targets):
+    # LoRA adapters (trained: B != 0) on any of the projections: the fused step decodes with each merged weight,
+    # W + scale * B @ A, the forward computes W x + scale * B (A x): the same tokens, log-probs to float rounding;
+    # adapters switched off (GRPO's reference), the base model's. (It once used the base o_proj and down_proj,
+    # adapters ignored: rollouts from another policy than the one trained.)
+    model = add_lora(tiny_model(1), rank=4, alpha=8.0, targets=targets).eval()
+    with torch.no_grad():
+        for m in lora_layers(model).values():
+            m.lora_B.weight.normal_(0.0, 0.2)
+    run = lambda fused: generate(model, PROMPTS * 2, 12, num_samples=4, generator=torch.Generator().manual_seed(0),
+                                 fast="shared+fused" if fused else "shared")
+    assert fast.fused_layers(model) is not None
+    forward, fused = run(False), run(True)
+    assert torch.equal(fused.tokens, forward.tokens)
+    assert (fused.logprobs - forward.logprobs).abs().max() <= 1e-4
+    with adapters_off(model):
+        base = run(True)
+    plain = generate(tiny_model(1), PROMPTS * 2, 12, num_samples=4, generator=torch.Generator().manual_seed(0),
+                     fast="shared")
+    assert torch.equal(base.tokens, plain.tokens) and not torch.equal(base.tokens, fused.tokens)
 
+
+def test_fused_step_falls_back_to_the_forward(monkeypatch):
+    # where fused_layers returns None, generate(fast="shared+fused") decodes with the forward: bf16 weights,
+    # autocast, weight copies over FUSED_MAX_BYTES, LoRA dropout in training mode (each call draws its own masks)
     model = tiny_model(1)
     assert fast.fused_layers(model) is not None
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -413,8 +435,9 @@ def test_fused_step_falls_back_to_the_forward(monkeypatch):
     monkeypatch.setattr(fast, "FUSED_MAX_BYTES", 1000)
     assert fast.fused_layers(model) is None
     monkeypatch.undo()
-    lora = add_lora(tiny_model(1), rank=2, alpha=4.0)
-    assert fast.fused_layers(lora) is None
-    run = lambda fused: generate(lora, PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(0),
+    lora = add_lora(tiny_model(1), rank=2, alpha=4.0, dropout=0.1).train()
+    assert fast.fused_layers(lora) is None and fast.fused_layers(lora.eval()) is not None
+    half = tiny_model(1).to(torch.bfloat16)
+    run = lambda fused: generate(half, PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(0),
                                  fast="shared+fused" if fused else "shared")
     assert torch.equal(run(True).tokens, run(False).tokens)

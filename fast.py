@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lora import LoRALinear
+from lora import LoRALinear, lora_layers
 from model import KVCache, additive_mask, attention, rope_cos_sin
 from sampler import Decoder, per_row_cache
 
@@ -229,7 +229,7 @@ def fused_layers(model, rows: int = 0, compile: bool = False) -> list[tuple] | N
     w = model.embed_tokens.weight
     projections = [getattr(b.self_attn, n) for b in model.layers for n in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(b.mlp, n) for b in model.layers for n in ("gate_proj", "up_proj")]
-    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    adapters = lora_layers(model).values()
     if (torch.is_autocast_enabled(w.device.type)
             or any(m.training and not isinstance(m.dropout, nn.Identity) for m in adapters)
             or any(p.dtype != torch.float32 for p in model.parameters())

@@ -54,8 +54,7 @@ RECIPES = {
         --out_dir runs_real/sft"""),
     "smollm2-arith-grpo.yaml": (grpo, SMOLLM2, f"""--init runs_real/sft/model {DEMO_TASK} --split train[1000:]
         --prompts_per_step 16 --group_size 4 --lora_rank 16 --lora_alpha 32 --lr 1e-4 --warmup 3 --beta 0 --steps 80
-        --eval_every 20
-        --eval_split test[:200] --seed 0 --out_dir runs_real/grpo_s0"""),
+        --eval_every 20 --eval_split test[:200] --seed 0 --out_dir runs_real/grpo_s0"""),
     "smollm2-arith-eval.yaml": (eval_stage, SMOLLM2, f"""--model runs_real/grpo_s0/model {DEMO_TASK}
         --split test[:200] --out_dir runs_real/eval_grpo_s0"""),
     # the seed's experiment at our scale (docs/real_models.md)

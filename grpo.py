@@ -136,7 +136,8 @@ class GRPOConfig:
     temperature: float = flag(1.0, "sampling temperature (trainer log-probs use it too)", section="GRPO")
     top_p: float = flag(1.0, "nucleus sampling (<1 makes sampler/trainer log-probs differ)", section="GRPO")
     top_k: int = flag(0, "top-k sampling (0 = off)", section="GRPO")
-    gen_batch: int = flag(8, "prompts per sampler call (x G rows)", section="GRPO")
+    gen_batch: int = flag(8, "prompts per sampler call (x G rows); --rollout vllm takes all at once",
+                          section="GRPO")
     compile: bool = flag(False, "decode the rollouts through torch.compile (generate's compile=True): "
                          "on an AVX-512 AMD CPU ~1.2x faster for 256+ wide fp32 models without "
                          "LoRA, no faster at the demo's width; the first step compiles (~25 s, ~6 s "
@@ -821,6 +822,10 @@ def main(argv=None):
     task = load_prompts(cfg, tok, model_cfg)
     shapes = memory_shapes(cfg, "grpo", d.world_size, task.longest, d.device.type)
     print0(format_memory(memory_estimate(model_cfg, **shapes)))
+    if cfg.rollout == "vllm":
+        print0(f"  + the vLLM engine: --vllm_memory {cfg.vllm_memory} of the "
+               + ("GPU's memory while it samples (asleep in the update)" if d.device.type == "cuda"
+                  else "RAM for its KV cache, plus its own copy of the weights"))
     if cfg.dry_run:
         return cleanup_dist()
     # the checkpoint to continue from, or None; it must match checkpoint.RESUME_MUST_MATCH and the batch shape

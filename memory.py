@@ -178,7 +178,8 @@ def lora_estimate_args(cfg) -> dict:
 
 def memory_shapes(cfg, stage: str, world: int, prompt_len: int, device_type: str, seq: int = 0) -> dict:
     """memory_estimate's arguments for a run of `stage` ("sft" or "grpo", cfg its config), at its worst case.
-    grpo: prompts of prompt_len tokens (the longest), every completion --max_new_tokens long.
+    grpo: prompts of prompt_len tokens (the longest), every completion --max_new_tokens long; with
+    --rollout vllm no sampler KV cache (the engine's memory is --vllm_memory's share, outside the estimate).
     sft: every row as long as the longest (seq tokens). Both: the in-loop eval samples batches of
     EVAL_BATCH prompts (of prompt_len tokens), once each, --max_new_tokens long."""
     eval_prompts = EVAL_BATCH if cfg.eval_every else 0
@@ -188,6 +189,8 @@ def memory_shapes(cfg, stage: str, world: int, prompt_len: int, device_type: str
         seq = prompt_len + cfg.max_new_tokens - 1
         gen_rows = max(gen_prompts * cfg.group_size, eval_prompts)
         gen_prompts = max(gen_prompts, eval_prompts)
+        if cfg.rollout == "vllm":  # the engine samples rollouts and evals in its own memory (--vllm_memory)
+            gen_rows = gen_prompts = 0
     elif stage == "sft":
         rows, max_rows = cfg.global_batch // world, cfg.micro_batch
         gen_rows = gen_prompts = eval_prompts

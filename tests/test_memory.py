@@ -18,7 +18,14 @@ import model as M
 import packing
 import sft
 from lora import LORA_TARGETS, add_lora
-from memory import block_activation_bytes, lora_activation_bytes, lora_param_count, memory_estimate, param_count
+from memory import (
+    block_activation_bytes,
+    lora_activation_bytes,
+    lora_param_count,
+    memory_estimate,
+    memory_shapes,
+    param_count,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -327,3 +334,15 @@ def test_dry_run_prints_the_estimate_and_writes_nothing(tiny_dir, tmp_path, caps
     sft.main(["--dry_run", "--out_dir", str(out)])
     printed = capsys.readouterr().out
     assert printed.count("memory estimate per rank:") == 2 and not out.exists()
+
+
+def test_vllm_rollouts_take_no_sampler_kv_cache():
+    # with --rollout vllm the sampler never runs (rollouts and evals go through the engine): no KV cache term,
+    # whatever --gen_batch says; the sampler's is layers x (k, v) x heads x dim x fp32 x cached tokens
+    cfg = M.ModelConfig(**{**CFG, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "hidden_size": 256})
+    for rollout, kv in (("sampler", 2 * 4 * 2 * 64 * 4 * (8 * 4 * 110 + 8 * 10)), ("vllm", 0)):
+        run = grpo.GRPOConfig(rollout=rollout, prompts_per_step=8, group_size=4, gen_batch=8, max_new_tokens=100,
+                              eval_every=0)
+        shapes = memory_shapes(run, "grpo", 1, prompt_len=10, device_type="cuda")
+        assert memory_estimate(cfg, **shapes)["kv_cache"] == kv

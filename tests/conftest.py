@@ -1,7 +1,11 @@
-"""Shared fixtures."""
+"""Shared fixtures, and run_job: a subprocess (torchrun and its workers) that, if it hangs, fails with stacks."""
 
 import importlib.machinery
+import os
+import signal
+import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -55,3 +59,49 @@ def fake_wandb(monkeypatch) -> FakeWandb:
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     return fake
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (torchrun starts its workers in sessions of their own, out of killpg's reach)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _signal(pids: list[int], sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def run_job(cmd: list[str], timeout: float, env=None, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, ...) for a job that might hang. Past `timeout` every
+    process below it gets SIGABRT, which PYTHONFAULTHANDLER turns into each one's Python stack on stderr, then
+    the job itself; the test fails with the output, stacks included (not only "timed out")."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        below = descendants(p.pid)
+        _signal(below, signal.SIGABRT)  # the workers first: their stacks are the ones that say where
+        time.sleep(2)
+        _signal([p.pid], signal.SIGABRT)
+        time.sleep(1)
+        _signal([p.pid, *below, *descendants(p.pid)], signal.SIGKILL)  # nothing left holding the pipes
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))[:300]}\ndid not end in {timeout}s; its output, each process's "
+                    f"stack last (PYTHONFAULTHANDLER):\n{out[-3000:]}\n{err[-12000:]}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

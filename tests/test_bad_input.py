@@ -6,12 +6,12 @@ which python prints to stderr and exits 1), except the world-size check, which n
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_job
 
 import grpo
 import sft
@@ -98,7 +98,7 @@ def test_prompts_per_step_not_divisible_by_world_size(dirs, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "grpo.py", *GRPO,
            "--init", str(dirs / "good"), "--prompts_per_step", "3", "--out_dir", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    p = run_job(cmd, 240, env=env, cwd=ROOT)
     assert p.returncode != 0
     assert "error: --prompts_per_step=3 is not divisible by the world size 2" in p.stderr, p.stderr[-3000:]
     assert 'grpo.py", line' not in p.stderr  # no traceback from the script (torchrun prints its own summary)

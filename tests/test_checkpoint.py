@@ -6,12 +6,12 @@ multi-rank cases are real torchrun subprocesses on gloo."""
 
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_job
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -213,7 +213,7 @@ def _launch(nproc: int, *args):
     cmd = [sys.executable, "-c", _WORKER, *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
         "--no-python", sys.executable, "-c", _WORKER, *args]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    r = run_job(cmd, 300, env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 

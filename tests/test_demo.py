@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,12 +118,11 @@ def test_sft_start_lands_in_grpo_band(tmp_path, seed, kernels):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **KERNELS[kernels]}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     out = tmp_path / "sft"
-    r = subprocess.run([*torchrun, "sft.py", "--seed", str(seed), "--out_dir", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    r = run_job([*torchrun, "sft.py", "--seed", str(seed), "--out_dir", str(out)], 1800, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "stopped climbing" in r.stdout and "warning:" not in r.stdout, r.stdout[-2000:]
-    r = subprocess.run([*torchrun, "eval.py", "--model", str(out / "model"), "--out_dir", str(tmp_path / "eval")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = run_job([*torchrun, "eval.py", "--model", str(out / "model"), "--out_dir", str(tmp_path / "eval")], 600,
+                env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     start = json.loads((tmp_path / "eval" / "summary.json").read_text())["greedy"]["pass@1"]
     assert start >= floor, f"seed {seed}, {kernels} kernels: SFT start {start:.3f} < MIN_START {floor}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_job
 
 import grpo
 import packing
@@ -30,8 +31,7 @@ KEYS = ["reward", "reward_std", "overlong", "frac_zero_std", "len_mean", "len_ma
 
 
 def _run(cmd, out_dir):
-    r = subprocess.run(cmd + ["--out_dir", str(out_dir)], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    r = run_job(cmd + ["--out_dir", str(out_dir)], 300, env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 

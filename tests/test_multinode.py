@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import descendants, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_multinode.sh"
@@ -52,27 +53,10 @@ def _start(cmd, tmp: Path, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (torchrun starts its workers in sessions of their own, out of killpg's reach)."""
-    children = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _stop(procs):
     for p in procs:
         if p.poll() is None:
-            for pid in [p.pid, *_descendants(p.pid)]:
+            for pid in [p.pid, *descendants(p.pid)]:
                 for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker must run to act on the kill
                     try:
                         os.kill(pid, sig)
@@ -264,3 +248,15 @@ def test_environment_is_never_evaluated(tmp_path):
         r = subprocess.run([str(SCRIPT), "grpo.py"], env={**ENV, **env}, cwd=ROOT, capture_output=True, text=True)
         assert (r.returncode, r.stderr) == (2, f"run_multinode.sh: error: {want}\n"), env
         assert not pwn.exists(), env
+
+
+def test_a_hung_job_fails_with_each_process_stack():
+    # run_job (conftest), which the torchrun tests use: a parent waiting on a child stuck in a named function,
+    # past the timeout, fails the test with the child's Python stack, not only "timed out"
+    child = "import time\ndef stuck_in_here():\n    time.sleep(120)\nstuck_in_here()"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as e:
+        run_job([sys.executable, "-c", parent], 3)
+    assert "did not end in 3s" in str(e.value) and "in stuck_in_here" in str(e.value), str(e.value)
+    assert time.monotonic() - t0 < 60  # nothing left running

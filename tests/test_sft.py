@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_job
 
 import model as model_lib
 import sft
@@ -27,7 +28,7 @@ def torchrun(script: str, args: list[str], nproc: int = 2, timeout: int = 240) -
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(ROOT / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_job(cmd, timeout, env=env, cwd=ROOT)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -78,7 +78,8 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _signal(pids: list[int], sig):
+def send(pids: list[int], sig):
+    """sig to each pid still alive."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -96,11 +97,11 @@ def run_job(cmd: list[str], timeout: float, env=None, **kw) -> subprocess.Comple
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         below = descendants(p.pid)
-        _signal(below, signal.SIGABRT)  # the workers first: their stacks are the ones that say where
+        send(below, signal.SIGABRT)  # the workers first: their stacks are the ones that say where
         time.sleep(2)
-        _signal([p.pid], signal.SIGABRT)
+        send([p.pid], signal.SIGABRT)
         time.sleep(1)
-        _signal([p.pid, *below, *descendants(p.pid)], signal.SIGKILL)  # nothing left holding the pipes
+        send([p.pid, *below, *descendants(p.pid)], signal.SIGKILL)  # nothing left holding the pipes
         out, err = p.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))[:300]}\ndid not end in {timeout}s; its output, each process's "
                     f"stack last (PYTHONFAULTHANDLER):\n{out[-3000:]}\n{err[-12000:]}", pytrace=False)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import descendants, run_job
+from conftest import descendants, run_job, send
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_multinode.sh"
@@ -56,12 +56,9 @@ def _start(cmd, tmp: Path, **env) -> subprocess.Popen:
 def _stop(procs):
     for p in procs:
         if p.poll() is None:
-            for pid in [p.pid, *descendants(p.pid)]:
-                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker must run to act on the kill
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
+            pids = [p.pid, *descendants(p.pid)]
+            for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker must run to act on the kill
+                send(pids, sig)
         p.communicate()
 
 

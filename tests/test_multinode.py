@@ -247,13 +247,23 @@ def test_environment_is_never_evaluated(tmp_path):
         assert not pwn.exists(), env
 
 
-def test_a_hung_job_fails_with_each_process_stack():
+def test_a_hung_job_fails_with_each_process_stack(tmp_path):
     # run_job (conftest), which the torchrun tests use: a parent waiting on a child stuck in a named function,
-    # past the timeout, fails the test with the child's Python stack, not only "timed out"
-    child = "import time\ndef stuck_in_here():\n    time.sleep(120)\nstuck_in_here()"
+    # past the timeout, fails the test with the child's Python stack, not only "timed out", and kills the child
+    pid_file = tmp_path / "child.pid"
+    child = (f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+             "def stuck_in_here():\n    time.sleep(120)\nstuck_in_here()")
     parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
-    t0 = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as e:
         run_job([sys.executable, "-c", parent], 3)
     assert "did not end in 3s" in str(e.value) and "in stuck_in_here" in str(e.value), str(e.value)
-    assert time.monotonic() - t0 < 60  # nothing left running
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    for _ in range(50):  # SIGKILLed: gone, or a zombie until init reaps it
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the stuck child {pid_file.read_text()} is still running")
